@@ -1,0 +1,28 @@
+"""The exception hierarchy of rvqstore: every error the library raises on bad input derives from
+:class:`RVQError`, so callers can catch one class."""
+
+from __future__ import annotations
+
+
+class RVQError(Exception):
+    """Base class of every error rvqstore raises on purpose."""
+
+
+class CodecConfigError(RVQError, ValueError):
+    """An RVQCodec was asked for an unsupported configuration (head dim, bits, options)."""
+
+
+class InputShapeError(RVQError, ValueError):
+    """An array passed to the codec or cache has the wrong shape, dtype or size."""
+
+
+class NonFiniteInputError(RVQError, ValueError):
+    """The input contains NaN or Inf and the caller asked for a check."""
+
+
+class ModelNotFoundError(RVQError, FileNotFoundError):
+    """The bundled default model (or a model path given by the caller) is not installed."""
+
+
+class UnsupportedModelError(RVQError, ValueError):
+    """A model file uses an architecture or feature the loader does not handle."""
