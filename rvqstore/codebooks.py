@@ -6,7 +6,9 @@ procedure (so every platform gets the same tables):
 1. start from the 2^b equal-probability cells of the distribution (their conditional means),
 2. repeat: boundaries = midpoints of neighbouring centroids; centroids = conditional means of the
    cells the boundaries make; until no centroid moves by more than 1e-13, at most 20000 rounds,
-3. round the result to float32 (the tables the codec and the file store).
+3. make the tables exactly mirror-symmetric (``v[k] = (v[k] - v[-1-k]) / 2``; the laws are
+   symmetric, and this removes last-bit noise), then round to float32 (the tables the codec and
+   the file store).
 
 A quantizer's index is the number of boundaries the value exceeds: ``idx = sum_k [v > boundary_k]``.
 """
@@ -138,9 +140,15 @@ class ResidualTables:
     boundaries: np.ndarray  # (levels1, levels2 - 1) float32
 
 
+def _antisymmetric(v: np.ndarray) -> np.ndarray:
+    """Exact mirror symmetry (v[k] == -v[-1-k], middle 0 where there is one) for symmetric laws."""
+    return (v - v[::-1]) / 2.0
+
+
 @lru_cache(maxsize=None)
 def _gaussian64(bits: int) -> tuple[np.ndarray, np.ndarray]:
-    return lloyd_max(normal_moments, _normal_quantile, 1 << bits)
+    c, b = lloyd_max(normal_moments, _normal_quantile, 1 << bits)
+    return _antisymmetric(c), _antisymmetric(b)
 
 
 def gaussian_codebook(bits: int) -> Codebook:
@@ -172,7 +180,8 @@ def _residual64(kind: str, bits1: int, bits2: int) -> tuple[np.ndarray, np.ndarr
         # Laplacian Lloyd–Max scaled so its variance (2 beta^2) equals the stage-1 residual's
         beta = math.sqrt(stage1_mse(bits1) / 2.0)
         c, b = lloyd_max(laplace_moments, _laplace_quantile, levels2)
-        return np.tile(c * beta, (levels1, 1)), np.tile(b * beta, (levels1, 1))
+        c, b = _antisymmetric(c) * beta, _antisymmetric(b) * beta
+        return np.tile(c, (levels1, 1)), np.tile(b, (levels1, 1))
     if kind == "conditional":
         edges = [-math.inf] + list(b1) + [math.inf]
         cents, bnds = [], []
@@ -181,7 +190,9 @@ def _residual64(kind: str, bits1: int, bits2: int) -> tuple[np.ndarray, np.ndarr
             c, b = lloyd_max(normal_moments, _normal_quantile, levels2, lo, hi)
             cents.append(c)  # in y coordinates: the Lloyd–Max quantizer of N(0,1) on cell i
             bnds.append(b)
-        return np.array(cents), np.array(bnds)
+        # the law is symmetric, so the table is too: row i is row (levels1-1-i) mirrored
+        cents, bnds = np.array(cents), np.array(bnds)
+        return (cents - cents[::-1, ::-1]) / 2.0, (bnds - bnds[::-1, ::-1]) / 2.0
     raise ValueError(f"unknown residual codebook kind {kind!r}")
 
 

@@ -164,7 +164,7 @@ class RVQCodec:
 
         With ``check_finite`` (default) an input holding NaN or Inf raises NonFiniteInputError (this
         costs one reduction and a sync). Without it, each vector holding NaN/Inf gets a NaN scale and
-        all-zero codes, and decodes to all-NaN; other vectors are unaffected.
+        the codes of the zero vector, and decodes to all-NaN; other vectors are unaffected.
         """
         x = self._check_input(x)
         lead = tuple(x.shape[:-1])

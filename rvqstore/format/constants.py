@@ -1,0 +1,97 @@
+"""Fixed numbers of the ``.rvq`` container, version 1 (see ``format_spec/rvq-v1.md``).
+
+Every constant here is normative: the spec quotes the same values, and a test checks that the two
+agree.
+"""
+
+from __future__ import annotations
+
+import struct
+
+# ---- preamble -------------------------------------------------------------------------------------
+#: PNG-style signature: a high-bit byte (catches 7-bit transfers), "RVQ", CR LF (catches line-ending
+#: conversion either way), Ctrl-Z (stops `type` on DOS), LF (catches LF -> CRLF).
+MAGIC = b"\x89RVQ\r\n\x1a\n"
+
+FORMAT_MAJOR = 1
+#: The newest minor version this implementation writes.  Readers accept any minor of major 1.
+FORMAT_MINOR = 0
+
+#: ``<`` little-endian: magic 8s, major H, minor H, flags I, header_offset Q, header_length Q,
+#: header_checksum Q, file_length Q, reserved Q, preamble_checksum Q.
+PREAMBLE_STRUCT = struct.Struct("<8sHHIQQQQQQ")
+PREAMBLE_SIZE = 64
+#: The preamble checksum covers bytes [0, PREAMBLE_CHECKED).
+PREAMBLE_CHECKED = 56
+assert PREAMBLE_STRUCT.size == PREAMBLE_SIZE
+
+#: Flag bits defined by this version of the format (none).  Any other bit set means "this file needs
+#: a feature you do not have": readers reject it.
+KNOWN_FLAGS = 0x00000000
+
+#: Alignment of every region after the preamble (sections and header).
+ALIGNMENT = 64
+
+# ---- header ----------------------------------------------------------------------------------------
+#: Names a reader may find in ``required_features`` and still read the file.
+KNOWN_FEATURES = frozenset({"zstd"})
+
+CODEC_RAW = "raw"
+CODEC_ZSTD = "zstd"
+CODECS = (CODEC_RAW, CODEC_ZSTD)
+
+#: Element types: name -> (numpy dtype string used to view the bytes, item size).  "bfloat16" is
+#: viewed as its raw little-endian uint16 bit patterns (numpy has no bfloat16).
+DTYPES: dict[str, tuple[str, int]] = {
+    "uint8": ("|u1", 1),
+    "int8": ("|i1", 1),
+    "uint16": ("<u2", 2),
+    "int16": ("<i2", 2),
+    "uint32": ("<u4", 4),
+    "int32": ("<i4", 4),
+    "uint64": ("<u8", 8),
+    "int64": ("<i8", 8),
+    "float16": ("<f2", 2),
+    "bfloat16": ("<u2", 2),
+    "float32": ("<f4", 4),
+    "float64": ("<f8", 8),
+}
+#: dtypes a KV layer's original keys/values (and its dense sections) may have.
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+LAYER_KINDS = ("rvq", "dense")
+
+KIND_TOKENS = "tokens"
+CODE_KINDS = ("keys.codes1", "keys.codes2", "values.codes1", "values.codes2")
+SCALE_KINDS = ("keys.scales", "values.scales")
+DENSE_KINDS = ("keys.dense", "values.dense")
+#: Section kinds this version understands.  Sections of any other kind are skipped by readers (they
+#: still obey every container rule: layout, limits, checksum).
+KNOWN_KINDS = (KIND_TOKENS,) + CODE_KINDS + SCALE_KINDS + DENSE_KINDS
+
+# ---- limits ----------------------------------------------------------------------------------------
+MAX_HEADER_LENGTH = 16 * 1024 * 1024
+MAX_SECTIONS = 65536
+MAX_LAYERS = 4096
+MAX_FEATURES = 64
+MAX_NAME_LENGTH = 256  # bytes of UTF-8, for section names, feature names, metadata/model keys
+MAX_NDIM = 8
+MAX_DIM_SIZE = 1 << 40  # any one entry of a shape
+MAX_ELEMENTS = 1 << 40  # product of a shape
+MAX_BATCH = 1 << 16
+MAX_HEADS = 1 << 16
+MAX_HEAD_DIM = 1 << 16
+MAX_TOKENS = (1 << 31) - 1
+MAX_DEPTH = 32  # nesting of maps/lists in the header
+#: A zstd section's raw_length may be at most this many times its stored length.  Bounds what a
+#: reader allocates to MAX_ZSTD_RATIO x the file size.
+MAX_ZSTD_RATIO = 32
+MAX_U64 = (1 << 64) - 1
+MAX_FILE_LENGTH = (1 << 63) - 1
+
+#: zstd frame magic number (RFC 8878), little-endian on disk.
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def align_up(n: int, a: int = ALIGNMENT) -> int:
+    return -(-n // a) * a

@@ -1,0 +1,160 @@
+"""Content-level rules for the header's ``quantizer`` map (spec section "The quantizer map").
+
+The container only requires a map with a string ``name`` and an integer ``version``.  For the
+quantizer this library implements, ``"turboquant-rvq"`` version 1 (the map
+:meth:`rvqstore.codec.RVQCodec.to_header` writes), every field is checked here in pure Python (no
+MLX needed, so ``rvqstore inspect`` stays cheap), together with what it implies for the layers'
+code sections.  A map with another name is accepted at open time; only decoding it fails.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .errors import MalformedHeaderError, MalformedSectionError, UnknownFeatureError, UnsupportedVersionError
+
+QUANTIZER_NAME = "turboquant-rvq"
+QUANTIZER_VERSION = 1
+PRNG_NAME = "splitmix64-msb-sign"
+ROTATION_KIND = "randomized-hadamard"
+RESIDUALS = ("conditional", "shared")
+MAX_DIM = 32768
+
+
+def supported_dim(dim: int) -> bool:
+    """``dim = m * 2^k`` with m in {1, 12, 20, 28}, 2 <= dim <= 32768 (what the rotation supports)."""
+    if dim < 2 or dim > MAX_DIM:
+        return False
+    for m in (1, 12, 20, 28):
+        if dim % m == 0:
+            p = dim // m
+            if p & (p - 1) == 0:
+                return True
+    return False
+
+
+def words_per_vector(dim: int, bits: int) -> int:
+    per = 32 // bits
+    return -(-dim // per)
+
+
+def _int(q: dict, key: str, lo: int, hi: int, path) -> int:
+    v = q.get(key)
+    if type(v) is not int:
+        raise MalformedHeaderError(path, f"header.quantizer.{key} must be an integer")
+    if not lo <= v <= hi:
+        raise MalformedHeaderError(path, f"header.quantizer.{key} = {v} is outside {lo}..{hi}")
+    return v
+
+
+def _table(v: Any, shape: tuple[int, ...], where: str, path) -> np.ndarray:
+    def ok_row(r, n):
+        return type(r) is list and len(r) == n and all(type(x) is float for x in r)
+
+    good = ok_row(v, shape[0]) if len(shape) == 1 else (
+        type(v) is list and len(v) == shape[0] and all(ok_row(r, shape[1]) for r in v))
+    if not good:
+        raise MalformedHeaderError(path, f"header.quantizer.{where} must be {'x'.join(map(str, shape))} floats")
+    a = np.array(v, dtype=np.float64).reshape(shape)
+    if not np.all(np.isfinite(a)):
+        raise MalformedHeaderError(path, f"header.quantizer.{where} holds a non-finite value")
+    if shape[-1] > 1 and not np.all(np.diff(a, axis=-1) > 0):
+        raise MalformedHeaderError(path, f"header.quantizer.{where} is not strictly increasing")
+    return a
+
+
+def check_quantizer(q: dict, layers, sections, path) -> None:
+    """Validate a ``turboquant-rvq`` map and the rvq layers' code sections against it."""
+    if q.get("name") != QUANTIZER_NAME:
+        return
+    version = q.get("version")
+    if version != QUANTIZER_VERSION:
+        raise UnsupportedVersionError(
+            path, f"quantizer {QUANTIZER_NAME!r} version {version} is not supported (this reader knows {QUANTIZER_VERSION})")
+    dim = _int(q, "dim", 2, MAX_DIM, path)
+    if not supported_dim(dim):
+        raise MalformedHeaderError(path, f"header.quantizer.dim = {dim} is not m * 2^k with m in 1, 12, 20, 28")
+    b1 = _int(q, "bits1", 1, 4, path)
+    b2 = _int(q, "bits2", 0, 4, path)
+    residual = q.get("residual")
+    if b2 == 0 and residual != "none":
+        raise MalformedHeaderError(path, "header.quantizer.residual must be 'none' when bits2 is 0")
+    if b2 and residual not in RESIDUALS:
+        raise MalformedHeaderError(path, f"header.quantizer.residual {residual!r} is not one of {RESIDUALS}")
+    if q.get("scale_dtype") != "bfloat16":
+        raise MalformedHeaderError(path, "header.quantizer.scale_dtype must be 'bfloat16'")
+    rot = q.get("rotation")
+    if type(rot) is not dict:
+        raise MalformedHeaderError(path, "header.quantizer.rotation must be a map")
+    if rot.get("kind") != ROTATION_KIND:
+        raise UnknownFeatureError(path, f"header.quantizer.rotation.kind {rot.get('kind')!r} is not {ROTATION_KIND!r}")
+    if rot.get("prng") != PRNG_NAME:
+        raise UnknownFeatureError(path, f"header.quantizer.rotation.prng {rot.get('prng')!r} is not {PRNG_NAME!r}")
+    seed = rot.get("seed")
+    if type(seed) is not int or not 0 <= seed < 1 << 64:
+        raise MalformedHeaderError(path, "header.quantizer.rotation.seed must be an integer in 0..2^64-1")
+    signs = rot.get("signs")
+    if type(signs) is not bytes or len(signs) != -(-dim // 8):
+        raise MalformedHeaderError(path, f"header.quantizer.rotation.signs must be {-(-dim // 8)} bytes (bin)")
+    if dim % 8 and signs[-1] >> (dim % 8):
+        raise MalformedHeaderError(path, "header.quantizer.rotation.signs has non-zero bits past dim")
+    L1 = 1 << b1
+    c1 = _table(q.get("centroids1"), (L1,), "centroids1", path)
+    bd1 = _table(q.get("boundaries1"), (L1 - 1,), "boundaries1", path) if L1 > 1 else None
+    if b2:
+        L2 = 1 << b2
+        _table(q.get("centroids2"), (L1, L2), "centroids2", path)
+        bd2 = _table(q.get("boundaries2"), (L1, L2 - 1), "boundaries2", path)
+        if residual == "conditional" and bd1 is not None:
+            lo = np.concatenate([[-math.inf], bd1])[:, None]
+            hi = np.concatenate([bd1, [math.inf]])[:, None]
+            if not (np.all(bd2 > lo) and np.all(bd2 < hi)):
+                raise MalformedHeaderError(
+                    path, "header.quantizer.boundaries2: conditional thresholds must lie inside their stage-1 cell")
+    del c1
+    w1 = words_per_vector(dim, b1)
+    w2 = words_per_vector(dim, b2) if b2 else 0
+    by_name = {s.name: s for s in sections}
+    for layer in layers:
+        if layer.kind != "rvq":
+            continue
+        if layer.head_dim != dim:
+            raise MalformedHeaderError(path, f"layer {layer.index}: head_dim {layer.head_dim} differs from the "
+                                             f"quantizer's dim {dim}")
+        for side in ("keys", "values"):
+            s1 = by_name[layer.sections[f"{side}.codes1"]]
+            if s1.shape[3] != w1:
+                raise MalformedHeaderError(path, f"section {s1.name!r}: {s1.shape[3]} words per vector, the "
+                                                 f"quantizer needs {w1}")
+            n2 = layer.sections.get(f"{side}.codes2")
+            if b2 and n2 is None:
+                raise MalformedHeaderError(path, f"layer {layer.index} lacks its {side}.codes2 section (bits2 = {b2})")
+            if not b2 and n2 is not None:
+                raise MalformedHeaderError(path, f"section {n2!r}: the quantizer has no stage 2")
+            if n2 is not None and by_name[n2].shape[3] != w2:
+                raise MalformedHeaderError(path, f"section {n2!r}: {by_name[n2].shape[3]} words per vector, the "
+                                                 f"quantizer needs {w2}")
+
+
+def unused_bits_mask(dim: int, bits: int) -> np.ndarray:
+    """Per-word masks (uint32) of the bits that carry no code; those bits MUST be zero on disk."""
+    per = 32 // bits
+    words = words_per_vector(dim, bits)
+    masks = np.zeros(words, dtype=np.uint32)
+    for w in range(words):
+        n = min(per, dim - w * per)
+        used = (1 << (n * bits)) - 1
+        masks[w] = (~used) & 0xFFFFFFFF
+    return masks
+
+
+def check_codes_padding(codes: np.ndarray, dim: int, bits: int, name: str, path) -> None:
+    """Unused high bits of every packed word must be zero (spec: packing)."""
+    if codes.size == 0:
+        return
+    masks = unused_bits_mask(dim, bits)
+    if np.any(codes & masks):
+        raise MalformedSectionError(path, f"section {name!r}: non-zero bits outside any code (unused high bits must be 0)")
