@@ -1,0 +1,340 @@
+"""RVQKVCache: an mlx-lm compatible KV cache that keeps keys and values as TurboQuant-RVQ codes.
+
+Modes:
+- ``"packed"``: only codes and scales are held (plus the optional full-precision window). Each
+  ``update_and_fetch`` encodes the new tokens once and decodes the whole coded history; the least
+  memory, the most work per generated token.
+- ``"resident"``: codes are still the cache's state (what is saved), and a decoded copy in the
+  model's dtype is kept and extended as tokens are coded, so each step decodes only new tokens;
+  fast generation at the memory cost of a plain KVCache on top of the codes.
+
+The attribute name ``bits`` is deliberately absent: mlx-lm switches attention to its affine
+quantized path for any cache that has it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from .codec import RVQCodec
+from .errors import CodecConfigError, InputShapeError
+
+MODES = ("packed", "resident")
+
+
+def _causal_mask(n: int, offset: int, return_array: bool = False, window_size: int | None = None):
+    """The same masks mlx-lm's KVCache makes (``None`` / ``"causal"`` / a boolean array)."""
+    if window_size is not None or return_array:
+        rinds = mx.arange(offset + n)
+        linds = mx.arange(offset, offset + n)[:, None]
+        mask = linds >= rinds[None]
+        if window_size is not None:
+            mask = mask & (linds < rinds[None] + window_size)
+        return mask
+    return None if n == 1 else "causal"
+
+
+class _Stream:
+    """Growable packed storage for one of keys/values of one layer: scales, codes1, codes2."""
+
+    step = 256
+
+    def __init__(self, codec: RVQCodec):
+        self.codec = codec
+        self.scales: mx.array | None = None
+        self.codes1: mx.array | None = None
+        self.codes2: mx.array | None = None
+        self.n = 0
+
+    def _grow(self, lead: tuple[int, int], need: int) -> None:
+        cap = 0 if self.scales is None else self.scales.shape[-1]
+        if need <= cap:
+            return
+        new_cap = -(-need // self.step) * self.step
+        c = self.codec
+
+        def grow(a, tail, dtype):
+            fresh = mx.zeros(lead + (new_cap,) + tail, dtype)
+            if a is not None and self.n:
+                fresh[:, :, : self.n] = a[:, :, : self.n]
+            return fresh
+
+        self.scales = grow(self.scales, (), mx.bfloat16)
+        self.codes1 = grow(self.codes1, (c.words1,), mx.uint32)
+        if c.bits2:
+            self.codes2 = grow(self.codes2, (c.words2,), mx.uint32)
+
+    def append(self, x: mx.array) -> None:
+        enc = self.codec.encode(x, check_finite=False)
+        lead, t = tuple(x.shape[:2]), x.shape[2]
+        self._grow(lead, self.n + t)
+        end = self.n + t
+        self.scales[..., self.n:end] = enc.scales
+        self.codes1[..., self.n:end, :] = enc.codes1
+        if enc.codes2 is not None:
+            self.codes2[..., self.n:end, :] = enc.codes2
+        self.n = end
+
+    def set_packed(self, scales: mx.array, codes1: mx.array, codes2: mx.array | None) -> None:
+        self.scales, self.codes1, self.codes2 = scales, codes1, codes2
+        self.n = scales.shape[-1]
+
+    def used(self) -> tuple[mx.array, mx.array, mx.array | None]:
+        n = self.n
+        return (self.scales[..., :n], self.codes1[..., :n, :],
+                None if self.codes2 is None else self.codes2[..., :n, :])
+
+    def decode(self, start: int, end: int, dtype: mx.Dtype) -> mx.array:
+        from .codec import EncodedVectors
+
+        enc = EncodedVectors(self.scales[..., start:end], self.codes1[..., start:end, :],
+                             None if self.codes2 is None else self.codes2[..., start:end, :], dtype)
+        return self.codec.decode(enc)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.scales, self.codes1, self.codes2) if a is not None)
+
+
+class RVQKVCache:
+    """KV cache holding TurboQuant-RVQ codes, usable wherever mlx-lm takes a ``KVCache``.
+
+    Args:
+        bits: ``(bits1, bits2)`` per stage (see :class:`rvqstore.RVQCodec`).
+        seed: rotation seed.
+        residual: ``"conditional"`` or ``"shared"`` stage-2 codebooks.
+        mode: ``"packed"`` or ``"resident"`` (see the module docstring).
+        dense_window: keep up to this many most recent tokens in full precision (0: none). Tokens
+            leave the window in blocks of ``flush_block``, so the window holds between
+            ``dense_window`` and ``dense_window + flush_block - 1`` tokens once full.
+        flush_block: block size for moving tokens from the window into codes.
+        use_kernels: use the fused GPU kernels where available.
+    """
+
+    def __init__(self, bits: tuple[int, int] | int = (2, 2), seed: int = 0, residual: str = "conditional", *,
+                 mode: str = "packed", dense_window: int = 0, flush_block: int = 64, use_kernels: bool = True):
+        if mode not in MODES:
+            raise CodecConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        for name, v, lo in (("dense_window", dense_window, 0), ("flush_block", flush_block, 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise CodecConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
+        RVQCodec(64, bits, seed, residual)  # validate the codec settings now, not at first use
+        self.codec_bits = bits if isinstance(bits, tuple) else (bits, 0)
+        self.seed = seed
+        self.residual = residual
+        self.mode = mode
+        self.dense_window = dense_window
+        self.flush_block = flush_block
+        self.use_kernels = use_kernels
+        self.offset = 0
+        self._keys: _Stream | None = None
+        self._values: _Stream | None = None
+        self._dense_k: mx.array | None = None  # (B, H, offset - n_coded, Dk)
+        self._dense_v: mx.array | None = None
+        self._res_k: mx.array | None = None  # resident decoded copies of the coded part
+        self._res_v: mx.array | None = None
+        self.dtype: mx.Dtype | None = None
+        self.geometry: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    @property
+    def n_coded(self) -> int:
+        return 0 if self._keys is None else self._keys.n
+
+    @property
+    def n_dense(self) -> int:
+        return self.offset - self.n_coded
+
+    def _codec(self, dim: int) -> RVQCodec:
+        return RVQCodec(dim, self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels)
+
+    def _init_geometry(self, keys: mx.array, values: mx.array) -> None:
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise InputShapeError(f"keys/values must be (B, n_kv_heads, T, head_dim) with matching B, heads, T; "
+                                  f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+        b, h, _, dk = keys.shape
+        geo = (b, h, dk, values.shape[-1])
+        if self.geometry is None:
+            self.geometry = geo
+            self.dtype = keys.dtype
+            self._keys, self._values = _Stream(self._codec(dk)), _Stream(self._codec(geo[3]))
+        elif geo != self.geometry:
+            raise InputShapeError(f"this cache holds (B, heads, Dk, Dv) = {self.geometry}, got {geo}")
+
+    def _target_coded(self, total: int) -> int:
+        if self.dense_window == 0:
+            return total
+        return max(0, (total - self.dense_window) // self.flush_block) * self.flush_block
+
+    # ---- the mlx-lm protocol ------------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` of shape (B, H, T, D) and return all keys/values so far."""
+        self._init_geometry(keys, values)
+        t = keys.shape[2]
+        start_coded = self.n_coded
+        if self.dense_window == 0:
+            self._keys.append(keys)
+            self._values.append(values)
+        else:
+            dk = keys if self._dense_k is None else mx.concatenate([self._dense_k, keys], axis=2)
+            dv = values if self._dense_v is None else mx.concatenate([self._dense_v, values], axis=2)
+            flush = self._target_coded(self.offset + t) - start_coded
+            if flush > 0:
+                self._keys.append(dk[:, :, :flush])
+                self._values.append(dv[:, :, :flush])
+                dk, dv = dk[:, :, flush:], dv[:, :, flush:]
+            self._dense_k, self._dense_v = dk, dv
+        self.offset += t
+        if self.mode == "resident":
+            self._extend_resident(start_coded)
+        return self._fetch()
+
+    def _extend_resident(self, start: int) -> None:
+        """Decode tokens [start, n_coded) into the resident buffers (grown in steps, like KVCache)."""
+        end = self.n_coded
+        if end <= start:
+            return
+        nk = self._keys.decode(start, end, self.dtype)
+        nv = self._values.decode(start, end, self.dtype)
+        cap = 0 if self._res_k is None else self._res_k.shape[2]
+        if end > cap:
+            new_cap = -(-end // _Stream.step) * _Stream.step
+            b, h, dk, dv = self.geometry
+            rk, rv = mx.zeros((b, h, new_cap, dk), self.dtype), mx.zeros((b, h, new_cap, dv), self.dtype)
+            if start:
+                rk[:, :, :start] = self._res_k[:, :, :start]
+                rv[:, :, :start] = self._res_v[:, :, :start]
+            self._res_k, self._res_v = rk, rv
+        self._res_k[:, :, start:end] = nk
+        self._res_v[:, :, start:end] = nv
+
+    def _fetch(self) -> tuple[mx.array, mx.array]:
+        n = self.n_coded
+        if self.mode == "resident" and n:
+            k, v = self._res_k[:, :, :n], self._res_v[:, :, :n]
+        elif n:
+            k, v = self._keys.decode(0, n, self.dtype), self._values.decode(0, n, self.dtype)
+        else:
+            k = v = None
+        if self.n_dense:
+            dk, dv = self._dense_k.astype(self.dtype), self._dense_v.astype(self.dtype)
+            k = dk if k is None else mx.concatenate([k, dk], axis=2)
+            v = dv if v is None else mx.concatenate([v, dv], axis=2)
+        return k, v
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """The decoded keys and values held (decoding the codes in packed mode)."""
+        if self.offset == 0:
+            raise InputShapeError("the cache is empty")
+        return self._fetch()
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.geometry is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (dense window first, then codes); returns how many were dropped."""
+        n = max(0, min(self.offset, int(n)))
+        if n == 0:
+            return 0
+        keep = self.offset - n
+        if keep >= self.n_coded:
+            d = keep - self.n_coded
+            self._dense_k, self._dense_v = self._dense_k[:, :, :d], self._dense_v[:, :, :d]
+        else:
+            self._keys.n = self._values.n = keep
+            if self._dense_k is not None:
+                self._dense_k, self._dense_v = self._dense_k[:, :, :0], self._dense_v[:, :, :0]
+        self.offset = keep
+        return n
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        return _causal_mask(n, self.offset, return_array=return_array, window_size=window_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually held: codes and scales (allocated capacity), window, resident copies."""
+        total = 0
+        for s in (self._keys, self._values):
+            if s is not None:
+                total += s.nbytes
+        for a in (self._dense_k, self._dense_v, self._res_k, self._res_v):
+            if a is not None:
+                total += a.nbytes
+        return total
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes of the used codes, scales and window: what a snapshot of this cache stores."""
+        if self.geometry is None:
+            return 0
+        total = 0
+        for s in (self._keys, self._values):
+            total += sum(a.nbytes for a in s.used() if a is not None)
+        if self.n_dense:
+            total += self._dense_k.nbytes + self._dense_v.nbytes
+        return total
+
+    # ---- state (mlx-lm's save/eval hooks; also what rvqstore snapshots hold) ---------------------------
+    @property
+    def state(self) -> tuple:
+        """Arrays held: (k_scales, k_codes1, k_codes2, v_scales, v_codes1, v_codes2, k_dense, v_dense)."""
+        if self.geometry is None:
+            return ()
+        ks, kc1, kc2 = self._keys.used()
+        vs, vc1, vc2 = self._values.used()
+        return (ks, kc1, kc2, vs, vc1, vc2, self._dense_k, self._dense_v)
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        b1, b2 = self.codec_bits
+        dt = "" if self.dtype is None else str(self.dtype).split(".")[-1]
+        return (str(b1), str(b2), str(self.seed), self.residual, self.mode, str(self.dense_window),
+                str(self.flush_block), str(self.offset), dt)
+
+    @classmethod
+    def from_packed(cls, *, keys: tuple[mx.array, mx.array, mx.array | None],
+                    values: tuple[mx.array, mx.array, mx.array | None], dense_keys: mx.array | None,
+                    dense_values: mx.array | None, dtype: mx.Dtype, head_dims: tuple[int, int],
+                    key_codec: RVQCodec | None = None, value_codec: RVQCodec | None = None,
+                    **kwargs: Any) -> "RVQKVCache":
+        """Build a cache from packed arrays (scales, codes1, codes2) of keys and values."""
+        c = cls(**kwargs)
+        ks = keys[0]
+        b, h, n = ks.shape
+        c.geometry = (b, h, head_dims[0], head_dims[1])
+        c.dtype = dtype
+        c._keys = _Stream(key_codec or c._codec(head_dims[0]))
+        c._values = _Stream(value_codec or c._codec(head_dims[1]))
+        c._keys.set_packed(*keys)
+        c._values.set_packed(*values)
+        nd = 0
+        if dense_keys is not None and dense_keys.shape[2]:
+            c._dense_k, c._dense_v, nd = dense_keys, dense_values, dense_keys.shape[2]
+        c.offset = n + nd
+        if c.mode == "resident":
+            c._extend_resident(0)
+        return c
+
+    # ---- conversion from mlx-lm caches ----------------------------------------------------------------
+    @classmethod
+    def from_kv_cache(cls, cache: Any, **kwargs: Any) -> "RVQKVCache":
+        """Encode the used part of an mlx-lm ``KVCache`` or ``QuantizedKVCache`` into a new RVQKVCache."""
+        from .compat import dense_keys_values
+
+        c = cls(**kwargs)
+        kv = dense_keys_values(cache)
+        if kv is not None:
+            c.update_and_fetch(*kv)
+        return c
+
+    def __repr__(self) -> str:
+        return (f"RVQKVCache(bits={self.codec_bits}, mode={self.mode!r}, offset={self.offset}, "
+                f"coded={self.n_coded}, dense={self.n_dense}, nbytes={self.nbytes})")
