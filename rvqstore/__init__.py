@@ -1,18 +1,39 @@
-"""rvqstore: LLM KV caches kept compressed with TurboQuant-RVQ codes, in memory and on disk."""
+"""rvqstore: LLM KV caches kept compressed with TurboQuant-RVQ codes, in memory and on disk.
 
+Main entry points::
+
+    RVQCodec(dim, bits=(2, 2))                 # encode/decode vectors of one head
+    make_prompt_cache(model, bits=(2, 2))       # mlx-lm compatible caches holding packed codes
+    save_prompt_cache(path, cache, tokens=..., model=...)
+    load_prompt_cache(path, model=...)          # bit-exact reload, refuses another model's file
+    resume(path, prompt_tokens, model)          # reuse the longest cached prefix
+    open(path)                                  # lazy reader of a .rvq file (header only until asked)
+"""
+
+from .cache import RVQKVCache
 from .codec import EncodedVectors, RVQCodec
+from .compat import UnsupportedCacheError
 from .errors import CodecConfigError, InputShapeError, NonFiniteInputError, RVQError
+from .format import FormatError
+from .format import open_rvq as open  # noqa: A001 - rvqstore.open(path) mirrors the builtin's role
 from .packing import pack_codes, unpack_codes
+from .prompt_cache import (
+    ModelMismatchError,
+    NoTokensError,
+    ResumeResult,
+    convert_prompt_cache,
+    load_prompt_cache,
+    make_prompt_cache,
+    resume,
+    save_prompt_cache,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "RVQCodec",
-    "EncodedVectors",
-    "pack_codes",
-    "unpack_codes",
-    "RVQError",
-    "CodecConfigError",
-    "InputShapeError",
-    "NonFiniteInputError",
+    "RVQCodec", "EncodedVectors", "pack_codes", "unpack_codes",
+    "RVQKVCache", "make_prompt_cache", "convert_prompt_cache",
+    "save_prompt_cache", "load_prompt_cache", "resume", "ResumeResult", "open",
+    "RVQError", "CodecConfigError", "InputShapeError", "NonFiniteInputError", "FormatError",
+    "ModelMismatchError", "NoTokensError", "UnsupportedCacheError",
 ]

@@ -1,0 +1,249 @@
+"""Saving, loading and resuming prompt caches as ``.rvq`` files.
+
+``save_prompt_cache`` writes only the used tokens of each layer (codes, scales, and any
+full-precision window), the prompt's token ids and, given the model, its fingerprint.
+``load_prompt_cache`` rebuilds the caches bit for bit and refuses a file made for another model.
+``resume`` finds the longest common prefix between a new prompt and the stored tokens and returns the
+caches trimmed to it, with the tokens still to compute.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import RVQKVCache
+from .codec import RVQCodec
+from .compat import UnsupportedCacheError
+from .errors import RVQError
+from .format import Section, open_rvq, write_rvq
+
+_DTYPE_BY_NAME = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+_FP_IGNORED = {"source"}  # labels, not identity
+
+
+class ModelMismatchError(RVQError, ValueError):
+    """A snapshot was made with a different model (architecture, geometry, weights or vocabulary)."""
+
+
+class NoTokensError(RVQError, ValueError):
+    """A snapshot without token ids cannot be resumed by prefix."""
+
+
+def _dtype_name(dt: mx.Dtype) -> str:
+    return str(dt).split(".")[-1]
+
+
+def _as_rvq_caches(cache: Sequence[Any], codec_kwargs: dict) -> list[RVQKVCache]:
+    out = []
+    for i, c in enumerate(cache):
+        if isinstance(c, RVQKVCache):
+            out.append(c)
+        else:
+            try:
+                out.append(RVQKVCache.from_kv_cache(c, **codec_kwargs))
+            except UnsupportedCacheError as e:
+                raise UnsupportedCacheError(f"layer {i}: {e}") from None
+    return out
+
+
+def _model_geometry_check(caches: Sequence[RVQKVCache], model: Any) -> None:
+    n_layers = len(model.layers)
+    if len(caches) != n_layers:
+        raise ModelMismatchError(f"the cache has {len(caches)} layers but the model has {n_layers}")
+
+
+def save_prompt_cache(path: str | os.PathLike, cache: Sequence[Any], *, tokens: Sequence[int] | None = None,
+                      metadata: dict[str, str] | None = None, model: Any = None, tokenizer: Any = None,
+                      bits: tuple[int, int] = (2, 2), seed: int = 0, residual: str = "conditional",
+                      compress: str = "auto", progress: Callable[[int, int | None], None] | None = None) -> int:
+    """Write ``cache`` (a list, one entry per layer) to ``path`` as an ``.rvq`` snapshot.
+
+    Entries may be :class:`RVQKVCache` or mlx-lm ``KVCache`` / ``QuantizedKVCache`` (these are encoded
+    with ``bits``/``seed``/``residual``). ``tokens``: the ids the cache holds (needed for
+    :func:`resume`; their count must equal the cache's offset). ``model`` (and ``tokenizer``): store
+    their fingerprint so loading into another model is refused. The write is atomic: an interrupted
+    save leaves any previous file at ``path`` untouched. Returns the file size in bytes.
+    """
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TypeError("metadata must map str to str")
+    caches = _as_rvq_caches(cache, dict(bits=bits, seed=seed, residual=residual))
+    if not caches or any(c.empty() for c in caches):
+        raise RVQError("cannot save an empty cache (run the prompt through the model first)")
+    first = caches[0]
+    offsets = {c.offset for c in caches}
+    if len(offsets) != 1:
+        raise RVQError(f"layers hold different token counts {sorted(offsets)}")
+    n_tokens = first.offset
+    if tokens is not None:
+        tokens = np.asarray(list(tokens), dtype=np.int64)
+        if tokens.ndim != 1 or len(tokens) != n_tokens:
+            raise ValueError(f"tokens has {tokens.size} ids but the cache holds {n_tokens} tokens")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**31):
+            raise ValueError("token ids must be in [0, 2^31)")
+    settings = {(c.codec_bits, c.seed, c.residual) for c in caches}
+    if len(settings) != 1:
+        raise RVQError("all layers must share one codec setting (bits, seed, residual) in format v1")
+    dims = {c.geometry[2:] for c in caches}
+    if len(dims) != 1 or len(next(iter(dims))) != 2 or len(set(next(iter(dims)))) != 1:
+        raise UnsupportedCacheError(f"format v1 needs one head dim shared by keys and values, got {sorted(dims)}")
+    fingerprint = None
+    if model is not None:
+        _model_geometry_check(caches, model)
+        from .model import model_fingerprint
+
+        fingerprint = model_fingerprint(model, tokenizer)
+
+    codec = first._keys.codec
+    layers, sections = [], []
+    if tokens is not None:
+        sections.append(Section("tokens", -1, "tokens", tokens.astype(np.int32)))
+    for i, c in enumerate(caches):
+        b, h, d, _ = c.geometry
+        layers.append({"index": i, "kind": "rvq", "batch": b, "n_kv_heads": h, "head_dim": d,
+                       "n_tokens": c.offset, "n_dense_tokens": c.n_dense,
+                       "key_dtype": _dtype_name(c.dtype), "value_dtype": _dtype_name(c.dtype)})
+        for side, stream, dense in (("keys", c._keys, c._dense_k), ("values", c._values, c._dense_v)):
+            scales, codes1, codes2 = stream.used()
+            sections.append(Section(f"layers.{i}.{side}.codes1", i, f"{side}.codes1", codes1))
+            if codes2 is not None:
+                sections.append(Section(f"layers.{i}.{side}.codes2", i, f"{side}.codes2", codes2))
+            sections.append(Section(f"layers.{i}.{side}.scales", i, f"{side}.scales", scales))
+            if c.n_dense:
+                sections.append(Section(f"layers.{i}.{side}.dense", i, f"{side}.dense", dense))
+    header = {
+        "n_tokens": n_tokens,
+        "layers": layers,
+        "quantizer": codec.to_header(),
+        "model": fingerprint,
+        "metadata": dict(metadata or {}),
+        "cache": {"mode": first.mode, "dense_window": first.dense_window, "flush_block": first.flush_block},
+    }
+    write_rvq(path, header, sections, compress=compress, progress=progress)
+    return os.path.getsize(path)
+
+
+def check_model(file_fp: dict | None, model: Any, tokenizer: Any = None, *, path: str = "") -> None:
+    """Raise ModelMismatchError if the snapshot's fingerprint differs from ``model``'s (and tokenizer's)."""
+    if file_fp is None:
+        return
+    from .model import model_fingerprint
+
+    mine = model_fingerprint(model, tokenizer)  # without a tokenizer: no vocab hash to compare
+    diff = [k for k in file_fp if k not in _FP_IGNORED and k in mine and file_fp[k] != mine[k]]
+    if diff:
+        detail = ", ".join(f"{k}: file {file_fp[k]!r} vs model {mine[k]!r}" for k in diff[:4])
+        raise ModelMismatchError(f"{path}: snapshot was made with a different model ({detail})")
+
+
+def load_prompt_cache(path: str | os.PathLike, *, model: Any = None, tokenizer: Any = None,
+                      return_metadata: bool = False, mode: str | None = None, use_kernels: bool = True):
+    """Load an ``.rvq`` snapshot as a list of :class:`RVQKVCache` (one per layer).
+
+    With ``model`` (and ``tokenizer``), a snapshot whose fingerprint differs is refused with
+    :class:`ModelMismatchError`. ``mode`` overrides the stored cache mode (``"packed"``/``"resident"``).
+    With ``return_metadata`` returns ``(caches, metadata)``.
+    """
+    with open_rvq(path) as f:
+        if model is not None:
+            check_model(f.model, model, tokenizer, path=os.fspath(path))
+            if len(f.layers) != len(model.layers):
+                raise ModelMismatchError(f"{os.fspath(path)}: {len(f.layers)} layers, model has {len(model.layers)}")
+        caches = _read_caches(f, mode=mode, use_kernels=use_kernels)
+        meta = dict(f.metadata)
+    return (caches, meta) if return_metadata else caches
+
+
+def _read_caches(f, *, mode: str | None, use_kernels: bool) -> list[RVQKVCache]:
+    if f.quantizer is None:
+        raise RVQError(f"{f.path}: no quantizer in this file")
+    codec = RVQCodec.from_header(f.quantizer, use_kernels=use_kernels)
+    opts = f.header.raw.get("cache") or {}
+    kw = dict(bits=codec.bits, seed=codec.seed, residual=codec.residual if codec.bits2 else "conditional",
+              mode=mode or opts.get("mode", "packed"), dense_window=int(opts.get("dense_window", 0)),
+              flush_block=int(opts.get("flush_block", 64)), use_kernels=use_kernels)
+    caches = []
+    for layer in f.layers:
+        if layer.kind != "rvq":
+            raise RVQError(f"{f.path}: layer {layer.index} is {layer.kind!r}; this version loads rvq layers only")
+        if layer.head_dim != codec.dim:
+            raise RVQError(f"{f.path}: layer {layer.index} head dim {layer.head_dim} != quantizer dim {codec.dim}")
+        a = f.layer_arrays(layer.index, as_mx=True)
+        caches.append(RVQKVCache.from_packed(
+            keys=(a["keys.scales"], a["keys.codes1"], a.get("keys.codes2")),
+            values=(a["values.scales"], a["values.codes1"], a.get("values.codes2")),
+            dense_keys=a.get("keys.dense"), dense_values=a.get("values.dense"),
+            dtype=_DTYPE_BY_NAME[layer.key_dtype], head_dims=(layer.head_dim, layer.head_dim),
+            key_codec=codec, value_codec=codec, **kw))
+    return caches
+
+
+@dataclass
+class ResumeResult:
+    """What :func:`resume` found: caches trimmed to the reused prefix and the tokens left to compute."""
+
+    cache: list[RVQKVCache]
+    reused: int  # prompt tokens whose keys/values come from the file
+    remaining: list[int]  # prompt tokens still to run through the model (never empty)
+    stored: int  # tokens the file held
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    n = min(len(a), len(b))
+    neq = np.flatnonzero(a[:n] != b[:n])
+    return int(neq[0]) if len(neq) else n
+
+
+def resume(path: str | os.PathLike, prompt_tokens: Sequence[int], model: Any = None, *, tokenizer: Any = None,
+           mode: str | None = None, use_kernels: bool = True) -> ResumeResult:
+    """Reuse the longest common prefix of ``prompt_tokens`` with the snapshot's tokens.
+
+    At least one prompt token is always left to compute (the model needs it to produce logits), so a
+    prompt equal to the stored tokens reuses all but its last token.
+    """
+    prompt = [int(t) for t in prompt_tokens]
+    if not prompt:
+        raise ValueError("prompt_tokens is empty")
+    with open_rvq(path) as f:
+        stored = f.tokens()
+        if stored is None:
+            raise NoTokensError(f"{os.fspath(path)}: the snapshot stores no token ids, so no prefix can be matched")
+        if model is not None:
+            check_model(f.model, model, tokenizer, path=os.fspath(path))
+        p = min(common_prefix_length(stored, prompt), len(prompt) - 1)
+        caches = _read_caches(f, mode=mode, use_kernels=use_kernels)
+        meta = dict(f.metadata)
+        n_stored = len(stored)
+    for c in caches:
+        c.trim(c.offset - p)
+    return ResumeResult(caches, p, prompt[p:], n_stored, meta)
+
+
+def make_prompt_cache(model: Any, bits: tuple[int, int] | int = (2, 2), seed: int = 0, residual: str = "conditional",
+                      **kwargs: Any) -> list[RVQKVCache]:
+    """One :class:`RVQKVCache` per layer of ``model``.
+
+    Models that build their own caches (``model.make_cache()``) are accepted only if every cache is a
+    plain ``KVCache``; rotating windows and recurrent states raise UnsupportedCacheError.
+    """
+    if hasattr(model, "make_cache"):
+        from mlx_lm.models import cache as lm
+
+        for i, c in enumerate(model.make_cache()):
+            if type(c) is not lm.KVCache:
+                raise UnsupportedCacheError(
+                    f"layer {i} of this model uses a {type(c).__name__}; rvqstore supports models whose layers "
+                    f"all use plain KV caches")
+    return [RVQKVCache(bits, seed, residual, **kwargs) for _ in range(len(model.layers))]
+
+
+def convert_prompt_cache(cache: Sequence[Any], bits: tuple[int, int] | int = (2, 2), seed: int = 0,
+                         residual: str = "conditional", **kwargs: Any) -> list[RVQKVCache]:
+    """Encode a list of mlx-lm ``KVCache``/``QuantizedKVCache`` into RVQKVCaches."""
+    return _as_rvq_caches(cache, dict(bits=bits, seed=seed, residual=residual, **kwargs))
