@@ -1,0 +1,132 @@
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+from rvqstore import RVQCodec, RVQKVCache, convert_prompt_cache
+from rvqstore.compat import UnsupportedCacheError
+from rvqstore.errors import CodecConfigError, InputShapeError
+
+
+def kv(t, b=1, h=3, d=64, seed=0):
+    rng = np.random.default_rng(seed)
+    return (mx.array(rng.standard_normal((b, h, t, d)).astype(np.float32)),
+            mx.array(rng.standard_normal((b, h, t, d)).astype(np.float32)))
+
+
+def feed(cache, k, v, chunks):
+    """Feed k/v (B,H,T,D) in the given chunk sizes; return the last fetch."""
+    out, pos = None, 0
+    for n in chunks:
+        out = cache.update_and_fetch(k[:, :, pos:pos + n], v[:, :, pos:pos + n])
+        pos += n
+    return out
+
+
+def test_no_bits_attribute():
+    # mlx-lm routes any cache with a `bits` attribute to its affine quantized attention
+    assert not hasattr(RVQKVCache(), "bits")
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+def test_fetch_equals_codec_roundtrip_and_is_chunking_invariant(mode):
+    k, v = kv(50)
+    codec = RVQCodec(64, (2, 2))
+    expect_k = np.array(codec.decode(codec.encode(k)))
+    for chunks in ([50], [13, 1, 1, 35], [1] * 50):
+        c = RVQKVCache((2, 2), mode=mode)
+        ko, vo = feed(c, k, v, chunks)
+        assert ko.shape == (1, 3, 50, 64) and ko.dtype == k.dtype
+        np.testing.assert_array_equal(np.array(ko), expect_k)
+        assert c.offset == c.size() == 50 and not c.empty()
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+def test_dense_window_keeps_recent_tokens_exact(mode):
+    k, v = kv(40)
+    c = RVQKVCache((2, 2), mode=mode, dense_window=8, flush_block=4)
+    ko, vo = feed(c, k, v, [10] + [1] * 30)
+    # coded = 4 * floor((40 - 8) / 4) = 32; the last 8 are exact
+    assert c.n_coded == 32 and c.n_dense == 8
+    np.testing.assert_array_equal(np.array(ko[:, :, 32:]), np.array(k[:, :, 32:]))
+    assert not np.array_equal(np.array(ko[:, :, :32]), np.array(k[:, :, :32]))
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+@pytest.mark.parametrize("window", [0, 8])
+def test_trim_then_extend_matches_fresh_cache(mode, window):
+    k, v = kv(30, seed=1)
+    k2, v2 = kv(5, seed=2)
+    a = RVQKVCache((2, 2), mode=mode, dense_window=window, flush_block=4)
+    feed(a, k, v, [30])
+    assert a.trim(12) == 12 and a.offset == 18
+    out_a = a.update_and_fetch(k2, v2)
+    b = RVQKVCache((2, 2), mode=mode, dense_window=window, flush_block=4)
+    feed(b, k, v, [18])
+    out_b = b.update_and_fetch(k2, v2)
+    if window == 0:  # with a window, trimming into coded tokens cannot restore their exact values
+        np.testing.assert_array_equal(np.array(out_a[0]), np.array(out_b[0]))
+        np.testing.assert_array_equal(np.array(out_a[1]), np.array(out_b[1]))
+    assert out_a[0].shape == out_b[0].shape == (1, 3, 23, 64)
+    assert a.trim(100) == 23 and a.offset == 0
+
+
+def test_nbytes_counts_what_is_held():
+    k, v = kv(300)
+    packed = RVQKVCache((2, 2), mode="packed")
+    feed(packed, k, v, [300])
+    codec = RVQCodec(64, (2, 2))
+    # capacity grows in steps of 256 tokens: 512 slots of scales + both code streams, for K and V
+    per_token = 2 + 4 * (codec.words1 + codec.words2)
+    assert packed.nbytes == 2 * 1 * 3 * 512 * per_token
+    assert packed.packed_nbytes == 2 * 1 * 3 * 300 * per_token
+    resident = RVQKVCache((2, 2), mode="resident")
+    feed(resident, k, v, [300])
+    assert resident.nbytes == packed.nbytes + 2 * 3 * 512 * 64 * 4  # plus the float32 decoded copies
+
+
+def test_masks_match_mlx_lm():
+    c, ref = RVQKVCache(), KVCache()
+    k, v = kv(7)
+    c.update_and_fetch(k, v)
+    ref.update_and_fetch(k, v)
+    for n in (1, 5):
+        for kw in (dict(return_array=False, window_size=None), dict(return_array=True, window_size=None),
+                   dict(return_array=False, window_size=3)):
+            got, want = c.make_mask(n, **kw), ref.make_mask(n, **kw)
+            if isinstance(want, mx.array):
+                np.testing.assert_array_equal(np.array(got), np.array(want))
+            else:
+                assert got == want
+
+
+def test_bad_shapes_and_settings():
+    c = RVQKVCache()
+    k, v = kv(4)
+    c.update_and_fetch(k, v)
+    with pytest.raises(InputShapeError):
+        c.update_and_fetch(k[:, :2], v[:, :2])  # head count changed
+    with pytest.raises(InputShapeError):
+        RVQKVCache().update_and_fetch(k[0], v[0])  # not 4-D
+    with pytest.raises(CodecConfigError):
+        RVQKVCache().update_and_fetch(*kv(2, d=100))  # unsupported head dim
+    for bad in (dict(mode="fast"), dict(dense_window=-1), dict(flush_block=0), dict(bits=(5, 1))):
+        with pytest.raises(CodecConfigError):
+            RVQKVCache(**bad)
+
+
+def test_conversion_from_mlx_lm_caches():
+    k, v = kv(20)
+    plain = KVCache()
+    plain.update_and_fetch(k, v)
+    conv = convert_prompt_cache([plain], bits=(2, 2))[0]
+    codec = RVQCodec(64, (2, 2))
+    np.testing.assert_array_equal(np.array(conv.keys_and_values()[0]), np.array(codec.decode(codec.encode(k))))
+    q = QuantizedKVCache(group_size=64, bits=8)
+    q.update_and_fetch(k, v)
+    convq = convert_prompt_cache([q])[0]
+    assert convq.offset == 20
+    err = float(mx.sum((convq.keys_and_values()[0] - k) ** 2) / mx.sum(k * k))
+    assert err < 0.012
+    with pytest.raises(UnsupportedCacheError, match="RotatingKVCache"):
+        convert_prompt_cache([RotatingKVCache(max_size=8)])
