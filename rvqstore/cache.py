@@ -24,18 +24,6 @@ from .errors import CodecConfigError, InputShapeError
 MODES = ("packed", "resident")
 
 
-def _causal_mask(n: int, offset: int, return_array: bool = False, window_size: int | None = None):
-    """The same masks mlx-lm's KVCache makes (``None`` / ``"causal"`` / a boolean array)."""
-    if window_size is not None or return_array:
-        rinds = mx.arange(offset + n)
-        linds = mx.arange(offset, offset + n)[:, None]
-        mask = linds >= rinds[None]
-        if window_size is not None:
-            mask = mask & (linds < rinds[None] + window_size)
-        return mask
-    return None if n == 1 else "causal"
-
-
 class _Stream:
     """Growable packed storage for one of keys/values of one layer: scales, codes1, codes2."""
 
@@ -256,7 +244,10 @@ class RVQKVCache:
         return n
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
-        return _causal_mask(n, self.offset, return_array=return_array, window_size=window_size)
+        """The mask mlx-lm's KVCache would make at this offset (same function, same results)."""
+        from mlx_lm.models.cache import create_attention_mask
+
+        return create_attention_mask(n, offset=self.offset, return_array=return_array, window_size=window_size)
 
     @property
     def nbytes(self) -> int:
