@@ -1,11 +1,503 @@
-"""Dispatch to the fused GPU kernels (placeholder until the kernels land: always falls back)."""
+"""Dispatch to the fused GPU kernels: quantize+pack and unpack+dequantize in one pass each.
+
+:meth:`RVQCodec.quantize` and :meth:`RVQCodec.dequantize` call :func:`quantize_pack` and
+:func:`unpack_dequantize` when ``codec.use_kernels`` is set. Each returns the kernel's result, or
+None to make the codec run its reference path (MLX ops), which is the definition of correct: the
+kernels reproduce it bit for bit.
+
+None is returned when there is no GPU backend (Metal: ``mx.metal.is_available()``, CUDA:
+``mx.cuda.is_available()``) or the default device is not the GPU, when the input is not one the
+kernels take (float32 ``y``, uint32 codes of the codec's word counts, non-empty), or when the
+configuration's kernel was switched off. A kernel is switched off ("latched") per configuration
+the first time it raises -- or, on its first use, when it disagrees with the reference on a probe
+of boundary values -- and that is logged once through the ``rvqstore.kernels`` logger.
+
+The kernel sources live in ``kernels/`` (installed as ``rvqstore.kernels``): one body per kernel,
+shared by both dialects; see ``kernels/rvq_common.h`` for the work split.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import logging
+import math
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
-def quantize_pack(codec, y):
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger("rvqstore.kernels")
+
+ENCODE, DECODE = "encode", "decode"
+DIALECTS = ("metal", "cuda")
+MODE_SINGLE, MODE_CONDITIONAL, MODE_SHARED = 0, 1, 2
+SEARCH_BINARY, SEARCH_LINEAR = 0, 1
+
+#: threads per threadgroup (several vectors per threadgroup: 256 / (dim / chunk))
+THREADS_PER_GROUP = 256
+#: count the thresholds linearly up to this many, binary-search above (see tools/results/kernels-notes.md)
+LINEAR_MAX_THRESHOLDS = 3
+#: compare each configuration's kernel with the reference on a boundary probe before first use
+SELF_CHECK = True
+
+_MAX_THREADS = 2**31 - 1
+
+_lock = threading.Lock()
+_disabled: dict[tuple, str] = {}  # latched-off configurations -> why
+_noted: set[tuple] = set()  # configurations whose unsupported reason was logged
+_verified: set[tuple] = set()  # configurations that passed the first-use check
+_kernels: dict[tuple, Callable] = {}
+_plans: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+# ---- backend -------------------------------------------------------------------------------------
+def gpu_backend() -> str | None:
+    """``"metal"``, ``"cuda"`` or None: the GPU backend of this MLX build, if it has a usable one."""
+    try:
+        if mx.metal.is_available():
+            return "metal"
+    except Exception:
+        pass
+    try:
+        cuda = getattr(mx, "cuda", None)
+        if cuda is not None and cuda.is_available():
+            return "cuda"
+    except Exception:
+        pass
     return None
 
 
-def unpack_dequantize(codec, codes1, codes2):
-    return None
+def _on_gpu() -> bool:
+    try:
+        return mx.default_device().type == mx.DeviceType.gpu
+    except Exception:
+        return False
+
+
+# ---- sources -------------------------------------------------------------------------------------
+def _kernels_module():
+    """``rvqstore.kernels``: the installed subpackage, or ``<repo>/kernels`` in a source checkout."""
+    try:
+        from . import kernels  # installed: package-dir maps kernels/ to rvqstore.kernels
+
+        return kernels
+    except ImportError:
+        pass
+    name = __package__ + ".kernels"
+    if name in sys.modules:
+        return sys.modules[name]
+    init = Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"kernel sources not found (looked for {init})")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load_source(name: str) -> str:
+    return _kernels_module().load_source(name)
+
+
+def kernel_sources(kind: str, dialect: str, two_stage: bool) -> tuple[str, str]:
+    """``(header, body)`` exactly as handed to ``mx.fast.{metal,cuda}_kernel``."""
+    if kind not in (ENCODE, DECODE) or dialect not in DIALECTS:
+        raise ValueError(f"no kernel {kind!r} for dialect {dialect!r}")
+    prelude = load_source("rvq_prelude_metal.h" if dialect == "metal" else "rvq_prelude_cuda.cuh")
+    header = (f"{prelude}\n#define RVQ_CODES2 {'codes2' if two_stage else 'codes1'}\n"
+              f"{load_source('rvq_common.h')}")
+    body = load_source(f"rvq_body_prelude_{dialect}.inc") + load_source(f"rvq_{kind}.inc")
+    return header, body
+
+
+def _io_names(kind: str, two_stage: bool) -> tuple[list[str], list[str]]:
+    if kind == ENCODE:
+        return ["y", "tab", "params"], (["codes1", "codes2"] if two_stage else ["codes1"])
+    return (["codes1", "codes2", "tab", "params"] if two_stage else ["codes1", "tab", "params"]), ["out"]
+
+
+def _build_kernel(kind: str, dialect: str, two_stage: bool) -> Callable:
+    header, body = kernel_sources(kind, dialect, two_stage)
+    inputs, outputs = _io_names(kind, two_stage)
+    # MLX's CUDA backend caches compiled kernels on disk by name: the name carries the source hash
+    digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
+    name = f"rvq_{kind}{2 if two_stage else 1}_{digest}"
+    make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+    return make(name=name, input_names=inputs, output_names=outputs, source=body, header=header,
+                ensure_row_contiguous=True)
+
+
+#: thread attributes MLX declares for a Metal kernel when their names occur in the body text
+METAL_ATTRIBUTES = (
+    "dispatch_quadgroups_per_threadgroup", "dispatch_simdgroups_per_threadgroup",
+    "dispatch_threads_per_threadgroup", "grid_origin", "grid_size", "quadgroup_index_in_threadgroup",
+    "quadgroups_per_threadgroup", "simdgroup_index_in_threadgroup", "simdgroups_per_threadgroup",
+    "thread_execution_width", "thread_index_in_quadgroup", "thread_index_in_simdgroup",
+    "thread_index_in_threadgroup", "thread_position_in_grid", "thread_position_in_threadgroup",
+    "threadgroup_position_in_grid", "threadgroups_per_grid", "threads_per_grid", "threads_per_simdgroup",
+    "threads_per_threadgroup",
+)
+
+
+def cuda_translation_unit(kind: str, two_stage: bool, template: list[tuple[str, int]],
+                          default_header: str, name: str = "rvq_kernel") -> str:
+    """The CUDA source MLX's ``cuda_kernel`` hands NVRTC for this kernel (for offline compile checks).
+
+    Mirrors MLX's wrapping: its default header, ours, then ``namespace mlx::core::cu`` with a
+    ``__global__`` function taking ``const T* input..., T* output...``, the template arguments as
+    ``constexpr int`` at the top of the body, then the body.
+    """
+    header, body = kernel_sources(kind, "cuda", two_stage)
+    inputs, outputs = _io_names(kind, two_stage)
+    in_types = {"y": "float", "tab": "float", "params": "uint32_t", "codes1": "uint32_t", "codes2": "uint32_t"}
+    out_types = {"codes1": "uint32_t", "codes2": "uint32_t", "out": "float"}
+    args = [f"    const {in_types[n]}* {n}" for n in inputs] + [f"    {out_types[n]}* {n}" for n in outputs]
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
+    return (f"{default_header}\n{header}namespace mlx::core::cu {{\n\nnamespace cg = cooperative_groups;\n\n"
+            f"__global__ void {name}(\n" + ",\n".join(args) + ") {\n" + consts + "\n" + body
+            + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+def _kernel(kind: str, dialect: str, two_stage: bool) -> Callable:
+    key = (kind, dialect, two_stage)
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels[key] = _build_kernel(kind, dialect, two_stage)
+    return k
+
+
+# ---- plans: everything a launch needs, per codec -------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    kind: str
+    dim: int
+    bits1: int
+    bits2: int  # 0: single stage (decode: also stage 1 only)
+    mode: int
+    chunk: int  # coordinates per thread: whole words of both streams
+    vl: int  # vector width of the float loads/stores
+    search: int
+    tab: mx.array
+    tabn: int
+    words1: int
+    words2: int
+
+    @property
+    def chunks_per_vector(self) -> int:
+        return -(-self.dim // self.chunk)
+
+    def template(self, search: int | None = None) -> list[tuple[str, int]]:
+        t = [("T_B1", self.bits1), ("T_B2", self.bits2), ("T_MODE", self.mode)]
+        if self.kind == ENCODE:
+            t.append(("T_SEARCH", self.search if search is None else search))
+        return t + [("T_VL", self.vl), ("T_C", self.chunk), ("T_TABN", self.tabn)]
+
+
+def config_key(codec, kind: str, stage1_only: bool = False) -> tuple:
+    """What a latch applies to: one kernel configuration."""
+    b2 = 0 if (stage1_only or not codec.bits2) else codec.bits2
+    return (kind, codec.dim, codec.bits1, b2, codec.residual if b2 else "none")
+
+
+def _chunk(b1: int, b2: int) -> int:
+    p1 = 32 // b1
+    return p1 if not b2 else math.lcm(p1, 32 // b2)
+
+
+def _vector_width(dim: int, chunk: int) -> int:
+    for vl in (4, 2, 1):
+        if dim % vl == 0 and chunk % vl == 0:
+            return vl
+    return 1
+
+
+def _table(values: list[np.ndarray]) -> tuple[mx.array, int]:
+    t = np.concatenate([np.asarray(v, dtype=np.float32).ravel() for v in values])
+    n = int(t.size)
+    # at least 8 entries: Metal passes smaller inputs in the constant address space
+    pad = np.zeros(max(8, n), dtype=np.float32)
+    pad[:n] = t
+    return mx.array(pad), max(n, 1)
+
+
+def _sorted(v: np.ndarray) -> bool:
+    v = np.asarray(v, dtype=np.float32).ravel()
+    return bool(np.all(np.isfinite(v))) and bool(np.all(v[1:] >= v[:-1]))
+
+
+def make_plan(codec, kind: str, stage1_only: bool = False) -> Plan | str:
+    """The launch plan for ``codec``, or a string saying why the kernels don't take it."""
+    b1 = codec.bits1
+    b2 = 0 if (stage1_only or not codec.bits2) else codec.bits2
+    if not (1 <= b1 <= 4 and 0 <= b2 <= 4):
+        return f"bits {(b1, b2)} out of range"
+    c1 = np.asarray(codec.centroids1, np.float32)
+    bd1 = np.asarray(codec.boundaries1, np.float32)
+    if c1.shape != (1 << b1,) or bd1.shape != ((1 << b1) - 1,) or not _sorted(bd1):
+        return "stage-1 tables malformed"
+    if b2:
+        c2 = np.asarray(codec.centroids2, np.float32)
+        bd2 = np.asarray(codec.boundaries2, np.float32)
+        if c2.shape != (1 << b1, 1 << b2) or bd2.shape != (1 << b1, (1 << b2) - 1):
+            return "stage-2 tables malformed"
+    mode = MODE_SINGLE
+    if b2:
+        mode = MODE_CONDITIONAL if codec.residual == "conditional" else MODE_SHARED
+    if kind == ENCODE:
+        if mode == MODE_SINGLE:
+            parts = [bd1]
+        elif mode == MODE_CONDITIONAL:
+            fine = getattr(codec, "_fine_thresholds", None)
+            if fine is None or len(fine) != (1 << (b1 + b2)) - 1 or not _sorted(fine):
+                return "conditional thresholds not nested"
+            parts = [fine]
+        else:
+            if not _sorted(bd2[0]):
+                return "shared stage-2 boundaries unsorted"
+            parts = [bd1, c1, bd2[0]]
+        nthr = (1 << (b1 + b2)) - 1 if mode == MODE_CONDITIONAL else (1 << max(b1, b2)) - 1
+        search = SEARCH_LINEAR if nthr <= LINEAR_MAX_THRESHOLDS else SEARCH_BINARY
+    elif kind == DECODE:
+        parts = [c1] if mode == MODE_SINGLE else [c2.ravel()] if mode == MODE_CONDITIONAL else [c1, c2[0]]
+        search = SEARCH_BINARY
+    else:
+        raise ValueError(f"unknown kernel kind {kind!r}")
+    tab, tabn = _table(parts)
+    chunk = _chunk(b1, b2)
+    return Plan(kind, codec.dim, b1, b2, mode, chunk, _vector_width(codec.dim, chunk), search, tab, tabn,
+                codec.words1, codec.words2 if b2 else 0)
+
+
+def _plan(codec, kind: str, stage1_only: bool) -> Plan | str:
+    per = _plans.setdefault(codec, {})
+    key = (kind, stage1_only)
+    p = per.get(key)
+    if p is None:
+        p = per[key] = make_plan(codec, kind, stage1_only)
+    return p
+
+
+# ---- launches (no fallback: these raise) ----------------------------------------------------------
+def _params(plan: Plan, n: int) -> tuple[mx.array, int]:
+    threads = n * plan.chunks_per_vector
+    if threads > _MAX_THREADS:
+        raise ValueError(f"{n} vectors need {threads} threads, more than one launch takes")
+    return mx.array([threads, plan.dim, plan.chunks_per_vector, plan.words1, plan.words2], dtype=mx.uint32), threads
+
+
+def launch_encode(plan: Plan, y2d: mx.array, dialect: str, *, search: int | None = None,
+                  threads_per_group: int | None = None) -> tuple[mx.array, mx.array | None]:
+    """Run the encode kernel on ``y2d`` (float32, ``(N, dim)``): packed ``(codes1, codes2)``."""
+    n = int(y2d.shape[0])
+    params, threads = _params(plan, n)
+    two = plan.bits2 > 0
+    shapes = [(n, plan.words1)] + ([(n, plan.words2)] if two else [])
+    out = _kernel(ENCODE, dialect, two)(
+        inputs=[y2d, plan.tab, params], template=plan.template(search),
+        grid=(threads, 1, 1), threadgroup=(threads_per_group or THREADS_PER_GROUP, 1, 1),
+        output_shapes=shapes, output_dtypes=[mx.uint32] * len(shapes))
+    return out[0], (out[1] if two else None)
+
+
+def launch_decode(plan: Plan, codes1: mx.array, codes2: mx.array | None, dialect: str, *,
+                  threads_per_group: int | None = None) -> mx.array:
+    """Run the decode kernel: ``y_hat`` (float32, ``(N, dim)``) from ``(N, words)`` codes."""
+    n = int(codes1.shape[0])
+    params, threads = _params(plan, n)
+    two = plan.bits2 > 0
+    inputs = [codes1] + ([codes2] if two else []) + [plan.tab, params]
+    return _kernel(DECODE, dialect, two)(
+        inputs=inputs, template=plan.template(),
+        grid=(threads, 1, 1), threadgroup=(threads_per_group or THREADS_PER_GROUP, 1, 1),
+        output_shapes=[(n, plan.dim)], output_dtypes=[mx.float32])[0]
+
+
+# ---- probes for the first-use check (and the parity tests) ----------------------------------------
+_SPECIAL = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 1.4e-45, -1.4e-45, 1.17549435e-38,
+                     -1.17549435e-38, 3.4028235e38, -3.4028235e38, 1e30, -1e30, 1e-30, -1e-30, 100.0, -100.0],
+                    dtype=np.float32)
+
+
+def boundary_values(codec) -> np.ndarray:
+    """float32 values on and next to every threshold the codec compares with, plus specials."""
+    vals = [np.asarray(codec.boundaries1, np.float32), np.asarray(codec.centroids1, np.float32)]
+    if codec.bits2:
+        b2 = np.asarray(codec.boundaries2, np.float32)
+        c2 = np.asarray(codec.centroids2, np.float32)
+        vals += [b2.ravel(), c2.ravel()]
+        if codec.residual == "shared":  # y whose residual lands on (or next to) a stage-2 boundary
+            c1 = np.asarray(codec.centroids1, np.float32)
+            vals.append((c1[:, None] + b2[0][None, :]).astype(np.float32).ravel())
+    v = np.concatenate(vals).astype(np.float32)
+    v = np.concatenate([v, np.nextafter(v, np.float32(np.inf)), np.nextafter(v, np.float32(-np.inf)), -v])
+    return np.concatenate([v, _SPECIAL]).astype(np.float32)
+
+
+def boundary_probe(codec, rows: int | None = None, seed: int = 0) -> np.ndarray:
+    """``(rows, dim)`` float32: every boundary value at every coordinate position, mixed with N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    v = boundary_values(codec)
+    d = codec.dim
+    rows = rows or max(4, -(-2 * v.size // d))
+    flat = rng.standard_normal(rows * d).astype(np.float32)
+    idx = rng.permutation(rows * d)
+    k = min(v.size * 2, rows * d)
+    flat[idx[:k]] = np.resize(v, k)
+    return flat.reshape(rows, d)
+
+
+def _same(a: mx.array, b: mx.array) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype == np.float32:
+        a, b = a.view(np.uint32), b.view(np.uint32)
+    return bool(np.array_equal(a, b))
+
+
+def _check_encode(codec, plan: Plan, dialect: str) -> None:
+    probe = mx.array(boundary_probe(codec))
+    got = launch_encode(plan, probe, dialect)
+    ref = codec._quantize_fn(probe)
+    if not _same(got[0], ref[0]) or (ref[1] is not None and not _same(got[1], ref[1])):
+        raise RuntimeError("encode kernel disagrees with the reference on the boundary probe")
+
+
+def _check_decode(codec, plan: Plan, dialect: str) -> None:
+    from .packing import pack_codes
+
+    rng = np.random.default_rng(1)
+    rows = max(8, -(-512 // codec.dim))
+    c1 = pack_codes(mx.array(rng.integers(0, 1 << plan.bits1, (rows, codec.dim), dtype=np.uint8)), plan.bits1)
+    c2 = None
+    if plan.bits2:
+        c2 = pack_codes(mx.array(rng.integers(0, 1 << plan.bits2, (rows, codec.dim), dtype=np.uint8)), plan.bits2)
+    got = launch_decode(plan, c1, c2, dialect)
+    ref = _reference_dequantize(codec, c1, c2)
+    if not _same(got, ref):
+        raise RuntimeError("decode kernel disagrees with the reference on random codes")
+
+
+def _reference_dequantize(codec, codes1, codes2):
+    from .packing import unpack_codes
+
+    if codes2 is None or not codec.bits2:
+        return mx.take(codec._c1_mx, unpack_codes(codes1, codec.bits1, codec.dim).astype(mx.uint32))
+    return codec._dequantize_fn(codes1, codes2)
+
+
+# ---- latch -----------------------------------------------------------------------------------------
+def disabled() -> dict[tuple, str]:
+    """The configurations whose kernel is latched off, and why."""
+    with _lock:
+        return dict(_disabled)
+
+
+def reset() -> None:
+    """Forget latches, first-use checks and built kernels (tests, or after fixing a backend)."""
+    with _lock:
+        _disabled.clear()
+        _noted.clear()
+        _verified.clear()
+        _kernels.clear()
+
+
+def _latch(key: tuple, dialect: str, err: BaseException) -> None:
+    with _lock:
+        first = key not in _disabled
+        _disabled[key] = f"{type(err).__name__}: {err}"
+    if first:
+        log.warning("fused %s kernel (%s) switched off for dim=%d bits=(%d, %d) residual=%s; using the "
+                    "reference path: %s: %s", key[0], dialect, key[1], key[2], key[3], key[4],
+                    type(err).__name__, err)
+
+
+def _note(key: tuple, reason: str) -> None:
+    with _lock:
+        first = (key, reason) not in _noted
+        _noted.add((key, reason))
+    if first:
+        log.info("fused %s kernel does not take dim=%d bits=(%d, %d) residual=%s (%s); using the "
+                 "reference path", key[0], key[1], key[2], key[3], key[4], reason)
+
+
+def _run(codec, key: tuple, dialect: str, launch: Callable[[], Any], check: Callable[[], None]):
+    try:
+        out = launch()
+        if key not in _verified:
+            # first use of this configuration: build and run it now (errors surface here, not in a
+            # later mx.eval the caller cannot recover from), then compare with the reference
+            mx.eval(out)
+            if SELF_CHECK:
+                check()
+            with _lock:
+                _verified.add(key)
+        return out
+    except Exception as err:  # any failure: fall back, latch off, say so once
+        _latch(key, dialect, err)
+        return None
+
+
+# ---- the codec's hooks -------------------------------------------------------------------------------
+def quantize_pack(codec, y: mx.array) -> tuple[mx.array, mx.array | None] | None:
+    """Fused quantize + pack of rotated coordinates ``y`` ``(..., dim)``, or None (use the reference)."""
+    dialect = gpu_backend()
+    if dialect is None or not _on_gpu():
+        return None
+    key = config_key(codec, ENCODE)
+    if key in _disabled:
+        return None
+    if not isinstance(y, mx.array) or y.dtype != mx.float32 or y.ndim == 0 or y.shape[-1] != codec.dim \
+            or y.size == 0:
+        return None
+    plan = _plan(codec, ENCODE, False)
+    if isinstance(plan, str):
+        _note(key, plan)
+        return None
+    lead = tuple(y.shape[:-1])
+    y2d = y.reshape(-1, codec.dim)
+    out = _run(codec, key, dialect, lambda: launch_encode(plan, y2d, dialect),
+               lambda: _check_encode(codec, plan, dialect))
+    if out is None:
+        return None
+    c1, c2 = out
+    return c1.reshape(*lead, plan.words1), (c2.reshape(*lead, plan.words2) if c2 is not None else None)
+
+
+def unpack_dequantize(codec, codes1: mx.array, codes2: mx.array | None) -> mx.array | None:
+    """Fused unpack + dequantize to rotated coordinates ``y_hat`` (float32), or None (use the reference).
+
+    ``codes2`` None (or a single-stage codec): stage 1 only.
+    """
+    dialect = gpu_backend()
+    if dialect is None or not _on_gpu():
+        return None
+    stage1_only = codes2 is None or not codec.bits2
+    key = config_key(codec, DECODE, stage1_only)
+    if key in _disabled:
+        return None
+    if not isinstance(codes1, mx.array) or codes1.dtype != mx.uint32 or codes1.ndim == 0 \
+            or codes1.shape[-1] != codec.words1 or codes1.size == 0:
+        return None
+    if not stage1_only and (not isinstance(codes2, mx.array) or codes2.dtype != mx.uint32
+                            or tuple(codes2.shape) != tuple(codes1.shape[:-1]) + (codec.words2,)):
+        return None
+    plan = _plan(codec, DECODE, stage1_only)
+    if isinstance(plan, str):
+        _note(key, plan)
+        return None
+    lead = tuple(codes1.shape[:-1])
+    c1 = codes1.reshape(-1, codec.words1)
+    c2 = None if stage1_only else codes2.reshape(-1, codec.words2)
+    out = _run(codec, key, dialect, lambda: launch_decode(plan, c1, c2, dialect),
+               lambda: _check_decode(codec, plan, dialect))
+    if out is None:
+        return None
+    return out.reshape(*lead, codec.dim)

@@ -1,0 +1,38 @@
+"""Kernel sources for rvqstore's fused GPU paths (shipped as the subpackage ``rvqstore.kernels``).
+
+One kernel body serves two dialects: ``mx.fast.metal_kernel`` (Apple GPUs) and
+``mx.fast.cuda_kernel`` (MLX's CUDA backend). The files:
+
+* ``rvq_prelude_metal.h`` / ``rvq_prelude_cuda.cuh``: the per-backend header prelude (types,
+  qualifiers, barriers, shared memory, vector loads/stores).
+* ``rvq_common.h``: the dialect-neutral device code (boundary counts, pack/unpack of one chunk).
+* ``rvq_body_prelude_metal.inc`` / ``rvq_body_prelude_cuda.inc``: the first lines of every kernel
+  body: thread indices. MLX scans a Metal body's *text* for thread-attribute names, so they are
+  written out there, not hidden in a header macro.
+* ``rvq_encode.inc`` / ``rvq_decode.inc``: the kernel bodies.
+
+:func:`load_source` reads one of them from the installed package.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import resources
+
+SOURCES = (
+    "rvq_prelude_metal.h",
+    "rvq_prelude_cuda.cuh",
+    "rvq_common.h",
+    "rvq_body_prelude_metal.inc",
+    "rvq_body_prelude_cuda.inc",
+    "rvq_encode.inc",
+    "rvq_decode.inc",
+)
+
+
+@lru_cache(maxsize=None)
+def load_source(name: str) -> str:
+    """The text of kernel source file ``name`` (one of :data:`SOURCES`)."""
+    if name not in SOURCES:
+        raise FileNotFoundError(f"no kernel source named {name!r} (have {', '.join(SOURCES)})")
+    return resources.files(__name__).joinpath(name).read_text(encoding="utf-8")

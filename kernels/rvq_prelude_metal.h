@@ -1,0 +1,18 @@
+// rvqstore fused RVQ kernels: Metal dialect prelude (mx.fast.metal_kernel).
+// See rvq_prelude_cuda.cuh for the CUDA counterpart; the device code and kernel bodies are shared.
+#include <metal_stdlib>
+using namespace metal;
+
+#define RVQ_FN inline
+typedef ulong rvq_u64;
+#define RVQ_U64 rvq_u64
+#define RVQ_SHARED threadgroup
+#define RVQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define RVQ_UNROLL _Pragma("clang loop unroll(full)")
+// Metal: element-wise accesses (MLX hands small inputs over in the constant address space, so
+// the pointers are not cast); the compiler merges neighbouring ones.
+#define RVQ_ALIGNED16(p) true
+#define RVQ_LOADV(v, p, off, VL, al) \
+  for (int rvq_e_ = 0; rvq_e_ < (VL); ++rvq_e_) (v)[rvq_e_] = (p)[(off) + rvq_e_]
+#define RVQ_STOREV(p, off, v, VL, al) \
+  for (int rvq_e_ = 0; rvq_e_ < (VL); ++rvq_e_) (p)[(off) + rvq_e_] = (v)[rvq_e_]
