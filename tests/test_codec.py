@@ -232,3 +232,24 @@ def test_non_finite_inputs():
     np.testing.assert_array_equal(out[[0, 3]], clean[[0, 3]])
     zero = codec.encode(mx.zeros((1, 64)))
     assert np.array(enc.codes1)[1].tolist() == np.array(zero.codes1)[0].tolist()
+
+
+@pytest.mark.parametrize("bits,residual", [((1, 1), "conditional"), ((2, 2), "conditional"), ((2, 2), "shared"),
+                                           ((4, 4), "conditional"), ((4, 4), "shared"), ((1, 0), "conditional"),
+                                           ((2, 0), "conditional"), ((4, 0), "conditional")])
+@pytest.mark.parametrize("dim", [64, 80, 96])
+def test_byte_table_decode_is_bit_identical_to_reference(bits, residual, dim):
+    codec = RVQCodec(dim, bits, residual=residual)
+    x = gaussian(301, dim, seed=dim + bits[0])
+    enc = codec.encode(x)
+    assert codec._byte_lut(bits[1] > 0) is not None
+    fast = codec.dequantize(enc.codes1, enc.codes2)
+    if bits[1]:
+        ref = codec._dequantize_reference(enc.codes1, enc.codes2)
+    else:
+        ref = mx.take(codec._c1_mx, unpack_codes(enc.codes1, bits[0], dim).astype(mx.uint32))
+    np.testing.assert_array_equal(np.array(fast), np.array(ref))
+    # stage-1-only decode of a two-stage code goes through the single-byte table
+    s1 = codec.dequantize(enc.codes1, None)
+    np.testing.assert_array_equal(
+        np.array(s1), np.array(mx.take(codec._c1_mx, unpack_codes(enc.codes1, bits[0], dim).astype(mx.uint32))))
