@@ -158,3 +158,56 @@ def check_codes_padding(codes: np.ndarray, dim: int, bits: int, name: str, path)
     masks = unused_bits_mask(dim, bits)
     if np.any(codes & masks):
         raise MalformedSectionError(path, f"section {name!r}: non-zero bits outside any code (unused high bits must be 0)")
+
+
+def decode_layers(f, *, chunk_tokens: int = 4096, progress=None) -> int:
+    """Decode every rvq layer's codes with the codec (content-level part of ``verify``).
+
+    Checks the unused bits of every packed word, rebuilds the codec from the header with
+    :meth:`rvqstore.codec.RVQCodec.from_header`, and decodes keys and values in chunks of
+    ``chunk_tokens`` tokens, checking the output shape and that vectors with a finite scale decode
+    to finite values.  Returns the number of vectors decoded.  Files whose quantizer is not
+    ``turboquant-rvq`` are skipped (0).
+    """
+    q = f.quantizer
+    if q is None or q.get("name") != QUANTIZER_NAME or not any(l.kind == "rvq" for l in f.layers):
+        return 0
+    import mlx.core as mx
+
+    from ..codec import EncodedVectors, RVQCodec
+    from ..errors import RVQError
+
+    try:
+        codec = RVQCodec.from_header(q, use_kernels=False)
+    except RVQError as e:
+        raise MalformedHeaderError(f.path, f"header.quantizer: {e}") from None
+    dtypes = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+    n = 0
+    for layer in f.layers:
+        if layer.kind != "rvq":
+            continue
+        for side in ("keys", "values"):
+            c1 = f.read_section(layer.sections[f"{side}.codes1"])
+            check_codes_padding(c1, codec.dim, codec.bits1, layer.sections[f"{side}.codes1"], f.path)
+            c2 = None
+            if codec.bits2:
+                c2 = f.read_section(layer.sections[f"{side}.codes2"])
+                check_codes_padding(c2, codec.dim, codec.bits2, layer.sections[f"{side}.codes2"], f.path)
+            sc = f.read_section(layer.sections[f"{side}.scales"])
+            dt = dtypes[layer.key_dtype if side == "keys" else layer.value_dtype]  # what a load returns
+            T = sc.shape[2]
+            for t0 in range(0, T, chunk_tokens):
+                t1 = min(T, t0 + chunk_tokens)
+                scales = mx.array(np.ascontiguousarray(sc[:, :, t0:t1])).view(mx.bfloat16)
+                enc = EncodedVectors(scales, mx.array(np.ascontiguousarray(c1[:, :, t0:t1])),
+                                     None if c2 is None else mx.array(np.ascontiguousarray(c2[:, :, t0:t1])), dt)
+                out = codec.decode(enc, dtype=mx.float32)
+                finite_scale = mx.isfinite(scales.astype(mx.float32))
+                ok = mx.all(mx.where(finite_scale[..., None], mx.isfinite(out), True))
+                if out.shape != tuple(sc[:, :, t0:t1].shape) + (codec.dim,) or not bool(ok.item()):
+                    raise MalformedSectionError(
+                        f.path, f"layer {layer.index} {side}: codes decode to non-finite values")
+                n += int(np.prod(enc.shape))
+            if progress is not None:
+                progress(layer.index, side)
+    return n

@@ -27,6 +27,7 @@ from .errors import (
     TruncatedFileError,
 )
 from .header import Header, LayerInfo, QuantizerCheck, SectionInfo, decode_header, parse_header
+from .quantizer import check_quantizer
 from .preamble import Preamble, check_header_checksum, parse_preamble
 
 
@@ -43,13 +44,11 @@ def _pread_exact(fd: int, n: int, off: int) -> bytes:
 
 
 def default_quantizer_check(quantizer: dict, layers, sections, path) -> None:
-    """Validate the ``quantizer`` map with the codec that owns its name, when this build has one.
+    """Validate the ``quantizer`` map by the rules of the quantizer that owns its name, if known.
 
     Unknown quantizer names are accepted here (the container is still readable); decoding such a
-    file's codes is what fails, with :class:`~rvqstore.format.errors.UnknownFeatureError`.
+    file's codes is what fails.
     """
-    from .quantizer import check_quantizer
-
     check_quantizer(quantizer, layers, sections, path)
 
 

@@ -1,0 +1,329 @@
+"""The ``rvqstore`` command line.
+
+Each subcommand is one function registered with :func:`subcommand`; its arguments are declared by a
+small ``configure(parser)`` function.  To add one::
+
+    def _generate_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--prompt-cache", required=True)
+
+    @subcommand("generate", help="continue a cached prompt", configure=_generate_args)
+    def cmd_generate(args: argparse.Namespace) -> int:
+        ...
+        return 0
+
+Errors: a subcommand raises (any :class:`rvqstore.errors.RVQError`, ``OSError``, ...) and
+:func:`main` prints one line on stderr and exits non-zero; no traceback reaches the user
+(``RVQSTORE_DEBUG=1`` shows it).  Exit status: 0 success, 1 failure (invalid file, I/O error, ...),
+2 usage error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+PROG = "rvqstore"
+
+
+@dataclass(frozen=True)
+class _Command:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None] | None
+    run: Callable[[argparse.Namespace], int]
+
+
+_COMMANDS: list[_Command] = []
+
+
+def subcommand(name: str, *, help: str, configure: Callable[[argparse.ArgumentParser], None] | None = None):
+    """Register ``fn(args) -> int`` as the subcommand ``name``."""
+
+    def deco(fn: Callable[[argparse.Namespace], int]):
+        if any(c.name == name for c in _COMMANDS):
+            raise ValueError(f"subcommand {name!r} registered twice")
+        _COMMANDS.append(_Command(name, help, configure, fn))
+        return fn
+
+    return deco
+
+
+class CLIError(Exception):
+    """A failure to report as one line with exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float) and v != v:  # NaN is not JSON
+        return None
+    return v
+
+
+def _quantizer_summary(q: dict | None) -> dict | None:
+    """The quantizer map with tables shortened to their shapes (the full map is in --json)."""
+    if q is None:
+        return None
+    out: dict[str, Any] = {}
+    for k, v in q.items():
+        if isinstance(v, list):
+            shape = [len(v)]
+            if v and isinstance(v[0], list):
+                shape.append(len(v[0]))
+            out[k] = "x".join(map(str, shape)) + " values"
+        elif isinstance(v, dict):
+            out[k] = _quantizer_summary(v)
+        elif isinstance(v, bytes):
+            out[k] = v.hex()
+        else:
+            out[k] = v
+    return out
+
+
+def describe(f) -> dict[str, Any]:
+    """Everything ``inspect`` reports, from the header alone (no section is read)."""
+    h = f.header
+    by_name = {s.name: s for s in f.sections}
+    layers = []
+    tot = {"stored_bytes": 0, "resident_bytes": 0, "fp16_bytes": 0, "coordinates": 0, "vectors": 0}
+    for L in f.layers:
+        secs = [by_name[n] for n in L.sections.values()]
+        stored = sum(s.length for s in secs)
+        resident = sum(s.raw_length for s in secs)
+        coords = 2 * L.batch * L.n_kv_heads * L.n_tokens * L.head_dim  # keys + values
+        fp16 = 2 * coords
+        row = {
+            "index": L.index, "kind": L.kind, "n_tokens": L.n_tokens, "n_dense_tokens": L.n_dense_tokens,
+            "batch": L.batch, "n_kv_heads": L.n_kv_heads, "head_dim": L.head_dim,
+            "key_dtype": L.key_dtype, "value_dtype": L.value_dtype,
+            "stored_bytes": stored, "resident_bytes": resident, "fp16_bytes": fp16,
+            "ratio": (fp16 / stored) if stored else None,
+            "bits_per_coordinate": (8 * stored / coords) if coords else None,
+            "sections": {k: n for k, n in L.sections.items()},
+        }
+        layers.append(row)
+        tot["stored_bytes"] += stored
+        tot["resident_bytes"] += resident
+        tot["fp16_bytes"] += fp16
+        tot["coordinates"] += coords
+    tok = [s for s in f.sections if s.kind == "tokens"]
+    other = [s for s in f.sections if s.layer == -1 or not s.known]
+    totals = {
+        "layers": len(layers),
+        "stored_bytes": tot["stored_bytes"],
+        "resident_bytes": tot["resident_bytes"],
+        "fp16_bytes": tot["fp16_bytes"],
+        "ratio": (tot["fp16_bytes"] / tot["stored_bytes"]) if tot["stored_bytes"] else None,
+        "bits_per_coordinate": (8 * tot["stored_bytes"] / tot["coordinates"]) if tot["coordinates"] else None,
+    }
+    return {
+        "file": f.path,
+        "format_version": [h.major, h.minor],
+        "flags": h.flags,
+        "required_features": list(h.required_features),
+        "file_bytes": h.file_length,
+        "header_offset": h.header_offset,
+        "header_bytes": h.header_length,
+        "n_tokens": h.n_tokens,
+        "token_ids_stored": bool(tok),
+        "model": h.model,
+        "metadata": h.metadata,
+        "quantizer": h.quantizer,
+        "layers": layers,
+        "totals": totals,
+        "memory": {
+            "at_rest_bytes": h.file_length,
+            "resident_packed_bytes": tot["resident_bytes"],
+            "decoded_fp16_bytes": tot["fp16_bytes"],
+        },
+        "other_sections": [s.to_dict() for s in other],
+        "sections": [s.to_dict() for s in f.sections],
+    }
+
+
+def _print_inspect(d: dict[str, Any], out) -> None:
+    w = out.write
+    w(f"file        {d['file']}\n")
+    feats = ", ".join(d["required_features"]) or "none"
+    w(f"format      rvq {d['format_version'][0]}.{d['format_version'][1]}  flags {d['flags']:#010x}  "
+      f"required features: {feats}\n")
+    w(f"size        {d['file_bytes']:,} bytes ({_fmt_bytes(d['file_bytes'])}); header {d['header_bytes']:,} bytes "
+      f"at offset {d['header_offset']:,}; {len(d['sections'])} sections\n")
+    m = d["model"]
+    if m:
+        w("model       " + "\n            ".join(f"{k} = {v}" for k, v in m.items()) + "\n")
+    else:
+        w("model       (no fingerprint recorded)\n")
+    w(f"tokens      {d['n_tokens']:,}" + ("  (token ids stored)" if d["token_ids_stored"] else "  (no token ids)") + "\n")
+    if d["metadata"]:
+        w("metadata    " + "\n            ".join(f"{k} = {v}" for k, v in d["metadata"].items()) + "\n")
+    q = _quantizer_summary(d["quantizer"])
+    if q is None:
+        w("quantizer   none (all layers dense)\n")
+    else:
+        flat = []
+        for k, v in q.items():
+            if isinstance(v, dict):
+                flat.extend(f"{k}.{k2} = {v2}" for k2, v2 in v.items())
+            else:
+                flat.append(f"{k} = {v}")
+        w("quantizer   " + "\n            ".join(flat) + "\n")
+    w("\n")
+    hdr = (f"{'layer':>5} {'kind':<5} {'tokens':>8} {'dense':>6} {'batch':>5} {'heads':>5} {'dim':>5} "
+           f"{'stored B':>14} {'fp16 B':>14} {'ratio':>7} {'bits/coord':>10}\n")
+    w(hdr)
+    for r in d["layers"]:
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        bpc = f"{r['bits_per_coordinate']:.3f}" if r["bits_per_coordinate"] else "-"
+        w(f"{r['index']:>5} {r['kind']:<5} {r['n_tokens']:>8,} {r['n_dense_tokens']:>6,} {r['batch']:>5} "
+          f"{r['n_kv_heads']:>5} {r['head_dim']:>5} {r['stored_bytes']:>14,} {r['fp16_bytes']:>14,} {ratio:>7} {bpc:>10}\n")
+    t = d["totals"]
+    ratio = f"{t['ratio']:.2f}x" if t["ratio"] else "-"
+    bpc = f"{t['bits_per_coordinate']:.3f}" if t["bits_per_coordinate"] else "-"
+    w(f"{'total':>5} {t['layers']:>5} {'':>8} {'':>6} {'':>5} {'':>5} {'':>5} {t['stored_bytes']:>14,} "
+      f"{t['fp16_bytes']:>14,} {ratio:>7} {bpc:>10}\n")
+    if d["other_sections"]:
+        w("\nother sections: " + ", ".join(f"{s['name']} ({s['kind']}, {s['length']:,} B)" for s in d["other_sections"]) + "\n")
+    mem = d["memory"]
+    w("\nmemory\n")
+    w(f"  at rest (file)                 {mem['at_rest_bytes']:>16,} B  {_fmt_bytes(mem['at_rest_bytes']):>11}\n")
+    w(f"  resident as packed codes       {mem['resident_packed_bytes']:>16,} B  "
+      f"{_fmt_bytes(mem['resident_packed_bytes']):>11}  (codes + scales + dense, uncompressed)\n")
+    w(f"  decoded (fp16 keys + values)   {mem['decoded_fp16_bytes']:>16,} B  {_fmt_bytes(mem['decoded_fp16_bytes']):>11}\n")
+
+
+# ---- inspect -------------------------------------------------------------------------------------------------
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="the .rvq file")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+@subcommand("inspect", help="show what a .rvq file holds (reads only its header)", configure=_inspect_args)
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .format import open_rvq
+
+    with open_rvq(args.file) as f:
+        d = describe(f)
+    if args.json:
+        json.dump(_jsonable(d), sys.stdout, indent=1, sort_keys=False)
+        sys.stdout.write("\n")
+    else:
+        _print_inspect(d, sys.stdout)
+    return 0
+
+
+# ---- verify --------------------------------------------------------------------------------------------------
+def _verify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="the .rvq file")
+    p.add_argument("--no-decode", action="store_true",
+                   help="check checksums and section decoding only, skip decoding codes with the codec")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+
+
+@subcommand("verify", help="check every checksum and decode every section of a .rvq file", configure=_verify_args)
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .format import open_rvq
+    from .format.quantizer import decode_layers
+
+    decoded = {"vectors": 0}
+
+    def decode(f) -> None:
+        decoded["vectors"] = decode_layers(f)
+
+    with open_rvq(args.file) as f:
+        counts = f.verify(decode=None if args.no_decode else decode)
+    if not args.quiet:
+        msg = (f"OK {args.file}: {counts['sections']} sections, {counts['stored_bytes']:,} stored bytes checksummed, "
+               f"{counts['raw_bytes']:,} bytes decoded")
+        if not args.no_decode:
+            msg += f", {decoded['vectors']:,} vectors decoded by the codec"
+        print(msg)
+    return 0
+
+
+# ---- entry point -----------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage + message by default)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Compressed (TurboQuant-RVQ) LLM KV caches.")
+    from . import __version__ as version
+
+    parser.add_argument("--version", action="version", version=f"{PROG} {version}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for c in _COMMANDS:
+        p = sub.add_parser(c.name, help=c.help, description=c.help)
+        if c.configure is not None:
+            c.configure(p)
+        p.set_defaults(_run=c.run)
+    return parser
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return " ".join(text.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = os.environ.get("RVQSTORE_DEBUG") == "1"
+    try:
+        code = args._run(args)
+        sys.stdout.flush()
+        return int(code or 0)
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader of our output went away (e.g. `| head`): not an error of ours
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+    except Exception as e:  # noqa: BLE001 - the CLI promises one line, never a traceback
+        if debug:
+            raise
+        from .errors import RVQError
+
+        if isinstance(e, CLIError):
+            print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
+            return e.code
+        if isinstance(e, RVQError):
+            print(f"{PROG} {args.command}: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        elif isinstance(e, OSError):
+            what = e.strerror or _one_line(e)
+            where = f": {e.filename}" if e.filename else ""
+            print(f"{PROG} {args.command}: error: {what}{where}", file=sys.stderr)
+        else:
+            print(f"{PROG} {args.command}: internal error: {type(e).__name__}: {_one_line(e)} "
+                  f"(set RVQSTORE_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
