@@ -1,0 +1,848 @@
+#!/usr/bin/env python3
+"""Regenerate the ``.rvq`` v1 test vectors in ``format_spec/vectors/`` byte for byte.
+
+    python tools/make_format_vectors.py [OUT_DIR]          # default: format_spec/vectors
+    python tools/make_format_vectors.py --worked-example   # print the spec's worked-example dump
+    python tools/make_format_vectors.py --update-spec      # rewrite the generated blocks of the spec
+
+The files are assembled here by a small, independent implementation of the container (it shares only
+the constants with ``rvqstore.format``), so the vectors also cross-check the library's writer: a test
+asserts that ``write_rvq`` produces the raw-only valid vectors byte for byte.  Everything is
+deterministic: no clock, no random state, no zstd library (the zstd frames are hand-assembled from
+raw and RLE blocks, so the bytes do not depend on the zstd version installed).
+
+``valid/``: files every v1 reader MUST open and decode; each ``NAME.rvq`` has ``NAME.json`` with the
+expected header fields and every section's decoded contents.  ``invalid/``: one file per failure kind;
+``invalid/MANIFEST.json`` gives each file's reason, the error class a reader MUST raise, and the stage
+where it must be raised (``open``: by ``open_rvq``; ``read``: by reading the section / ``verify()``;
+``decode``: by ``rvqstore verify``'s codec decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import struct
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import msgpack
+import xxhash
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rvqstore.format import constants as C  # noqa: E402  (constants only)
+
+XXH = xxhash.xxh3_64_intdigest
+
+
+# ---- deterministic data ------------------------------------------------------------------------------
+def splitmix(seed: int):
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    while True:
+        s = (s + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        z = s
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        yield z ^ (z >> 31)
+
+
+def codes_words(seed: int, n_vectors: int, dim: int, bits: int) -> list[int]:
+    """Packed words of pseudo-random codes, LSB-first, unused bits zero."""
+    g = splitmix(seed)
+    per = 32 // bits
+    words_per = -(-dim // per)
+    out = []
+    for _ in range(n_vectors):
+        for w in range(words_per):
+            n = min(per, dim - w * per)
+            word = 0
+            for j in range(n):
+                word |= (next(g) >> 61 & ((1 << bits) - 1)) << (j * bits)
+            out.append(word)
+    return out
+
+
+def bf16_bits(values: list[float]) -> list[int]:
+    """Round-to-nearest-even bfloat16 bit patterns of float32 values."""
+    out = []
+    for v in values:
+        u = struct.unpack("<I", struct.pack("<f", v))[0]
+        u += 0x7FFF + ((u >> 16) & 1)
+        out.append((u >> 16) & 0xFFFF)
+    return out
+
+
+def f16_values(seed: int, n: int) -> list[float]:
+    g = splitmix(seed)
+    vals = []
+    for _ in range(n):
+        x = ((next(g) >> 40) / float(1 << 24)) * 4.0 - 2.0  # in [-2, 2)
+        vals.append(struct.unpack("<e", struct.pack("<e", x))[0])
+    return vals
+
+
+def pack(fmt: str, values) -> bytes:
+    return struct.pack("<" + fmt * len(values), *values)
+
+
+# ---- the quantizer maps (literal copies of RVQCodec(...).to_header(); the file is self-describing) ---
+Q_DIM8_1_1 = {
+    "name": "turboquant-rvq", "version": 1, "dim": 8, "bits1": 1, "bits2": 1, "residual": "conditional",
+    "scale_dtype": "bfloat16",
+    "rotation": {"kind": "randomized-hadamard", "seed": 7, "prng": "splitmix64-msb-sign", "signs": b"\x0c"},
+    "centroids1": [-0.7978845834732056, 0.7978845834732056],
+    "boundaries1": [0.0],
+    "centroids2": [[-1.5104175806045532, -0.4527800381183624], [0.4527800381183624, 1.5104175806045532]],
+    "boundaries2": [[-0.9815987944602966], [0.9815987944602966]],
+}
+Q_DIM16_2_2 = {
+    "name": "turboquant-rvq", "version": 1, "dim": 16, "bits1": 2, "bits2": 2, "residual": "conditional",
+    "scale_dtype": "bfloat16",
+    "rotation": {"kind": "randomized-hadamard", "seed": 1, "prng": "splitmix64-msb-sign", "signs": b"\xe7*"},
+    "centroids1": [-1.5104175806045532, -0.4527800381183624, 0.4527800381183624, 1.5104175806045532],
+    "boundaries1": [-0.9815987944602966, 0.0, 0.9815987944602966],
+    "centroids2": [[-2.662278413772583, -1.9839154481887817, -1.5200012922286987, -1.1453282833099365],
+                   [-0.8451938629150391, -0.5919278860092163, -0.3507535755634308, -0.11621203273534775],
+                   [0.11621203273534775, 0.3507535755634308, 0.5919278860092163, 0.8451938629150391],
+                   [1.1453282833099365, 1.5200012922286987, 1.9839154481887817, 2.662278413772583]],
+    "boundaries2": [[-2.323096990585327, -1.7519583702087402, -1.3326648473739624],
+                    [-0.7185608744621277, -0.47134071588516235, -0.23348279297351837],
+                    [0.23348279297351837, 0.47134071588516235, 0.7185608744621277],
+                    [1.3326648473739624, 1.7519583702087402, 2.323096990585327]],
+}
+Q_DIM12_3_0 = {
+    "name": "turboquant-rvq", "version": 1, "dim": 12, "bits1": 3, "bits2": 0, "residual": "none",
+    "scale_dtype": "bfloat16",
+    "rotation": {"kind": "randomized-hadamard", "seed": 2, "prng": "splitmix64-msb-sign", "signs": b"\xcf\x02"},
+    "centroids1": [-2.1519455909729004, -1.3439092636108398, -0.7560052871704102, -0.2450941801071167,
+                   0.2450941801071167, 0.7560052871704102, 1.3439092636108398, 2.1519455909729004],
+    "boundaries1": [-1.7479275465011597, -1.049957275390625, -0.5005497336387634, 0.0, 0.5005497336387634,
+                    1.049957275390625, 1.7479275465011597],
+}
+
+
+# ---- zstd frames by hand (RFC 8878) ---------------------------------------------------------------------
+def zstd_frame(blocks: list[tuple[str, bytes | tuple[int, int]]], content_size: int | None) -> bytes:
+    """A single-segment zstd frame.  blocks: ("raw", data) or ("rle", (byte, count)).
+
+    Frame_Header_Descriptor: FCS field of 8 bytes (flag 3) + Single_Segment when content_size is
+    given; otherwise no FCS and a Window_Descriptor (single segment off).
+    """
+    out = bytearray(C.ZSTD_MAGIC)
+    if content_size is not None:
+        out.append(0xE0)  # FCS_flag=3 (8 bytes), Single_Segment=1, no checksum, no dictionary
+        out += content_size.to_bytes(8, "little")
+    else:
+        out.append(0x00)  # FCS_flag=0, Single_Segment=0 -> Window_Descriptor follows, no FCS
+        out.append(0x58)  # window log 10 + 11 = 21 (2 MiB)
+    for i, (kind, payload) in enumerate(blocks):
+        last = 1 if i == len(blocks) - 1 else 0
+        if kind == "raw":
+            assert isinstance(payload, bytes)
+            out += ((len(payload) << 3) | (0 << 1) | last).to_bytes(3, "little") + payload
+        else:
+            byte, count = payload  # type: ignore[misc]
+            out += ((count << 3) | (1 << 1) | last).to_bytes(3, "little") + bytes([byte])
+    return bytes(out)
+
+
+# ---- the independent assembler -----------------------------------------------------------------------------
+def canon(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: canon(obj[k]) for k in sorted(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [canon(v) for v in obj]
+    return obj
+
+
+def packb(obj: Any) -> bytes:
+    return msgpack.packb(canon(obj), use_bin_type=True, use_single_float=False)
+
+
+def sec(name: str, layer: int, kind: str, dtype: str, shape: list[int], data: bytes, codec: str = "raw",
+        raw_length: int | None = None) -> dict:
+    return {"name": name, "layer": layer, "kind": kind, "dtype": dtype, "shape": list(shape), "codec": codec,
+            "raw_length": len(data) if raw_length is None else raw_length, "_data": data}
+
+
+def align(n: int) -> int:
+    return -(-n // C.ALIGNMENT) * C.ALIGNMENT
+
+
+def assemble(
+    content: dict,
+    sections: list[dict],
+    *,
+    major: int = 1,
+    minor: int = 0,
+    flags: int = 0,
+    features: list[str] | None = None,
+    offsets: list[int] | None = None,
+    edit_header: Callable[[dict], None] | None = None,
+    header_bytes: Callable[[bytes], bytes] | None = None,
+    header_offset: int | None = None,
+    edit_preamble: Callable[[dict], None] | None = None,
+    fix_preamble_checksum: bool = True,
+    post: Callable[[bytes], bytes] | None = None,
+) -> bytes:
+    content = copy.deepcopy(content)  # edits must never leak into the shared literals
+    entries, blobs = [], []
+    pos = C.PREAMBLE_SIZE
+    for i, s in enumerate(sections):
+        data = s["_data"]
+        off = offsets[i] if offsets is not None else align(pos)
+        e = {k: v for k, v in s.items() if k != "_data"}
+        e.update(offset=off, length=len(data), checksum=XXH(data))
+        entries.append(e)
+        blobs.append((off, data))
+        pos = max(pos, off + len(data))
+    if features is None:
+        features = ["zstd"] if any(e["codec"] == "zstd" for e in entries) else []
+    header = {"format_version": [major, minor], "required_features": list(features), "sections": entries}
+    header.update(content)
+    if edit_header is not None:
+        edit_header(header)
+    hb = packb(header)
+    if header_bytes is not None:
+        hb = header_bytes(hb)
+    h_off = align(pos) if header_offset is None else header_offset
+    body = bytearray(h_off + len(hb))
+    for off, data in blobs:
+        body[off: off + len(data)] = data
+    body[h_off: h_off + len(hb)] = hb
+    fields = {"magic": C.MAGIC, "major": major, "minor": minor, "flags": flags, "header_offset": h_off,
+              "header_length": len(hb), "header_checksum": XXH(hb), "file_length": len(body), "reserved": 0,
+              "preamble_checksum": None}
+    if edit_preamble is not None:
+        edit_preamble(fields)
+    pre = struct.pack("<8sHHIQQQQQ", fields["magic"], fields["major"], fields["minor"], fields["flags"],
+                      fields["header_offset"], fields["header_length"], fields["header_checksum"],
+                      fields["file_length"], fields["reserved"])
+    ck = fields["preamble_checksum"]
+    if ck is None or not fix_preamble_checksum:
+        ck = XXH(pre) if ck is None else ck
+    body[0:64] = pre + ck.to_bytes(8, "little")
+    out = bytes(body)
+    return post(out) if post is not None else out
+
+
+# ---- the valid files -----------------------------------------------------------------------------------------
+def layer_map(index, kind, batch, heads, dim, n_tokens, n_dense, kd="float16", vd="float16") -> dict:
+    return {"index": index, "kind": kind, "batch": batch, "n_kv_heads": heads, "head_dim": dim,
+            "n_tokens": n_tokens, "n_dense_tokens": n_dense, "key_dtype": kd, "value_dtype": vd}
+
+
+def rvq_sections(layer: int, q: dict, B: int, H: int, Tq: int, seed: int) -> list[dict]:
+    dim, b1, b2 = q["dim"], q["bits1"], q["bits2"]
+    out = []
+    for side_i, side in enumerate(("keys", "values")):
+        s0 = seed * 100 + side_i * 10
+        w1 = codes_words(s0 + 1, B * H * Tq, dim, b1)
+        out.append(sec(f"layers.{layer}.{side}.codes1", layer, f"{side}.codes1", "uint32",
+                       [B, H, Tq, -(-dim // (32 // b1))], pack("I", w1)))
+        if b2:
+            w2 = codes_words(s0 + 2, B * H * Tq, dim, b2)
+            out.append(sec(f"layers.{layer}.{side}.codes2", layer, f"{side}.codes2", "uint32",
+                           [B, H, Tq, -(-dim // (32 // b2))], pack("I", w2)))
+        scales = bf16_bits([1.0 + 0.25 * ((s0 + i) % 7) for i in range(B * H * Tq)])
+        out.append(sec(f"layers.{layer}.{side}.scales", layer, f"{side}.scales", "bfloat16", [B, H, Tq],
+                       pack("H", scales)))
+    return out
+
+
+def dense_bytes(dtype: str, seed: int, n: int) -> bytes:
+    vals = f16_values(seed, n)
+    if dtype == "float16":
+        return pack("e", vals)
+    if dtype == "bfloat16":
+        return pack("H", bf16_bits(vals))
+    return pack("f", vals)
+
+
+def v_worked_example() -> tuple[dict, list[dict]]:
+    """The spec's worked example: one rvq layer, dim 8, 1+1 bits, two tokens."""
+    q = Q_DIM8_1_1
+    content = {"n_tokens": 2, "layers": [layer_map(0, "rvq", 1, 1, 8, 2, 0)], "quantizer": q,
+               "model": {"arch": "example"}, "metadata": {"note": "worked example"}}
+    secs = [sec("tokens", -1, "tokens", "int32", [2], pack("i", [17, 42]))] + rvq_sections(0, q, 1, 1, 2, 1)
+    return content, secs
+
+
+def v_dense_minimal() -> tuple[dict, list[dict]]:
+    content = {"n_tokens": 2, "layers": [layer_map(0, "dense", 1, 1, 4, 2, 2)], "quantizer": None,
+               "model": None, "metadata": {}}
+    secs = [sec("tokens", -1, "tokens", "int32", [2], pack("i", [1, 2])),
+            sec("layers.0.keys.dense", 0, "keys.dense", "float16", [1, 1, 2, 4], dense_bytes("float16", 5, 8)),
+            sec("layers.0.values.dense", 0, "values.dense", "float16", [1, 1, 2, 4], dense_bytes("float16", 6, 8))]
+    return content, secs
+
+
+def v_full(zstd: bool = True) -> tuple[dict, list[dict]]:
+    """Two rvq layers (dim 16, 2+2 bits, 2 heads, 3 tokens); layer 0 keeps its last token dense
+    (keys float16, values bfloat16); tokens and one scales section are zstd frames."""
+    q = Q_DIM16_2_2
+    B, H, T = 1, 2, 3
+    content = {
+        "n_tokens": T,
+        "layers": [layer_map(0, "rvq", B, H, 16, T, 1, "float16", "bfloat16"),
+                   layer_map(1, "rvq", B, H, 16, T, 0, "float16", "bfloat16")],
+        "quantizer": q,
+        "model": {"arch": "llama", "n_layers": 2, "weights_sha256": "00" * 32},
+        "metadata": {"prompt": "Hello, world", "saved_by": "make_format_vectors"},
+    }
+    tok = pack("i", [1, 15043, 29892])
+    secs = [sec("tokens", -1, "tokens", "int32", [T], zstd_frame([("raw", tok)], len(tok)) if zstd else tok,
+                "zstd" if zstd else "raw", len(tok))]
+    l0 = rvq_sections(0, q, B, H, T - 1, 2)
+    l0 += [sec("layers.0.keys.dense", 0, "keys.dense", "float16", [B, H, 1, 16], dense_bytes("float16", 9, B * H * 16)),
+           sec("layers.0.values.dense", 0, "values.dense", "bfloat16", [B, H, 1, 16],
+               dense_bytes("bfloat16", 10, B * H * 16))]
+    l1 = rvq_sections(1, q, B, H, T, 3)
+    if zstd:  # layer 1's value scales: all equal, as an RLE block (2 heads x 3 tokens of bf16 1.0 = 0x3f80)
+        ones = pack("H", [0x3F80] * (B * H * T))
+        for i, s in enumerate(l1):
+            if s["kind"] == "values.scales":
+                frame = zstd_frame([("raw", ones[:4]), ("raw", ones[4:])], len(ones))
+                l1[i] = sec(s["name"], 1, s["kind"], "bfloat16", s["shape"], frame, "zstd", len(ones))
+    return content, secs + l0 + l1
+
+
+def v_single_stage_dim12() -> tuple[dict, list[dict]]:
+    q = Q_DIM12_3_0
+    content = {"n_tokens": 4, "layers": [layer_map(0, "rvq", 2, 1, 12, 4, 0, "bfloat16", "bfloat16")],
+               "quantizer": q, "model": None, "metadata": {}}
+    secs = [sec("tokens", -1, "tokens", "int32", [4], pack("i", [5, 6, 7, 8]))] + rvq_sections(0, q, 2, 1, 4, 4)
+    return content, secs
+
+
+def v_empty() -> tuple[dict, list[dict]]:
+    return {"n_tokens": 0, "layers": [], "quantizer": None, "model": None, "metadata": {}}, []
+
+
+def v_zero_tokens() -> tuple[dict, list[dict]]:
+    q = Q_DIM8_1_1
+    content = {"n_tokens": 0, "layers": [layer_map(0, "rvq", 1, 1, 8, 0, 0)], "quantizer": q, "model": None,
+               "metadata": {}}
+    return content, [sec("tokens", -1, "tokens", "int32", [0], b"")] + rvq_sections(0, q, 1, 1, 0, 5)
+
+
+def v_newer_minor() -> bytes:
+    """Minor version 7 with things a 1.0 reader must skip: an unknown top-level key, unknown keys in a
+    section entry and a layer map, and a section of unknown kind."""
+    content, secs = v_worked_example()
+    content = dict(content)
+    content["layers"] = [dict(content["layers"][0], future_layer_key=[1, 2, 3])]
+    content["future_top_level_key"] = {"anything": ["goes", 1, 2.5, None, True, b"\x00"]}
+    secs = list(secs) + [sec("future.blob", -1, "future.kind", "uint8", [5], b"hello")]
+    secs[1] = dict(secs[1], future_section_key="ignored")
+    return assemble(content, secs, minor=7)
+
+
+VALID: dict[str, Callable[[], bytes]] = {
+    "worked_example.rvq": lambda: assemble(*v_worked_example()),
+    "dense_minimal.rvq": lambda: assemble(*v_dense_minimal()),
+    "two_layers_dense_tail_zstd.rvq": lambda: assemble(*v_full(True)),
+    "two_layers_dense_tail_raw.rvq": lambda: assemble(*v_full(False)),
+    "single_stage_dim12.rvq": lambda: assemble(*v_single_stage_dim12()),
+    "empty.rvq": lambda: assemble(*v_empty()),
+    "zero_tokens.rvq": lambda: assemble(*v_zero_tokens()),
+    "newer_minor.rvq": v_newer_minor,
+}
+
+#: Valid vectors the library writer must reproduce byte for byte (raw codecs only), with its inputs.
+WRITER_EQUIVALENT = {
+    "worked_example.rvq": v_worked_example,
+    "dense_minimal.rvq": v_dense_minimal,
+    "two_layers_dense_tail_raw.rvq": lambda: v_full(False),
+    "single_stage_dim12.rvq": v_single_stage_dim12,
+    "empty.rvq": v_empty,
+    "zero_tokens.rvq": v_zero_tokens,
+}
+
+
+def expected_json(data: bytes) -> dict:
+    """The expected decoded contents of a valid file, computed from the assembler's own view."""
+    pre = struct.unpack("<8sHHIQQQQQQ", data[:64])
+    h_off, h_len = pre[4], pre[5]
+    header = msgpack.unpackb(data[h_off: h_off + h_len], raw=False)
+
+    def jsonable(v):
+        if isinstance(v, bytes):
+            return {"hex": v.hex()}
+        if isinstance(v, dict):
+            return {k: jsonable(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [jsonable(x) for x in v]
+        return v
+
+    fmt = {"uint8": "B", "int8": "b", "uint16": "H", "int16": "h", "uint32": "I", "int32": "i", "uint64": "Q",
+           "int64": "q", "float16": "e", "bfloat16": "H", "float32": "f", "float64": "d"}
+    sections = {}
+    for e in header["sections"]:
+        raw = data[e["offset"]: e["offset"] + e["length"]]
+        if e["codec"] == "zstd":
+            raw = _decode_handmade_zstd(raw)
+        n = e["raw_length"] // struct.calcsize("<" + fmt[e["dtype"]])
+        values = list(struct.unpack("<" + fmt[e["dtype"]] * n, raw))
+        sections[e["name"]] = {"kind": e["kind"], "layer": e["layer"], "dtype": e["dtype"], "shape": e["shape"],
+                               "codec": e["codec"], "values": values}
+    return {
+        "format_version": [pre[1], pre[2]],
+        "file_length": len(data),
+        "n_tokens": header["n_tokens"],
+        "layers": jsonable(header["layers"]),
+        "quantizer": jsonable(header["quantizer"]),
+        "model": header["model"],
+        "metadata": header["metadata"],
+        "required_features": header["required_features"],
+        "sections": sections,
+    }
+
+
+def _decode_handmade_zstd(frame: bytes) -> bytes:
+    """Decoder for the raw/RLE-block frames this tool writes (not a general zstd decoder)."""
+    assert frame[:4] == C.ZSTD_MAGIC and frame[4] == 0xE0
+    pos, out = 13, bytearray()
+    while True:
+        h = int.from_bytes(frame[pos: pos + 3], "little")
+        pos += 3
+        last, btype, size = h & 1, (h >> 1) & 3, h >> 3
+        if btype == 0:
+            out += frame[pos: pos + size]
+            pos += size
+        elif btype == 1:
+            out += bytes([frame[pos]]) * size
+            pos += 1
+        else:
+            raise AssertionError("compressed blocks are not used by the vectors")
+        if last:
+            return bytes(out)
+
+
+# ---- the invalid files -------------------------------------------------------------------------------------------
+def _edit_section(i: int, **kv):
+    def f(h: dict) -> None:
+        h["sections"][i].update(kv)
+    return f
+
+
+def _flip(data: bytes, pos: int, mask: int = 0x01) -> bytes:
+    b = bytearray(data)
+    b[pos] ^= mask
+    return bytes(b)
+
+
+def _map_header(n_extra: int, pairs_bytes: bytes, hb: bytes) -> bytes:
+    """Re-open a canonical header map (map16/map32 or fixmap) and append raw key/value bytes."""
+    first = hb[0]
+    if 0x80 <= first <= 0x8F:
+        n, rest = first & 0x0F, hb[1:]
+    elif first == 0xDE:
+        n, rest = int.from_bytes(hb[1:3], "big"), hb[3:]
+    else:
+        n, rest = int.from_bytes(hb[1:5], "big"), hb[5:]
+    return b"\xde" + (n + n_extra).to_bytes(2, "big") + rest + pairs_bytes
+
+
+def _worked(**kw) -> bytes:
+    return assemble(*v_worked_example(), **kw)
+
+
+def _full(**kw) -> bytes:
+    return assemble(*v_full(True), **kw)
+
+
+def _worked_content_edit(edit: Callable[[dict, list], None], **kw) -> bytes:
+    content, secs = v_worked_example()
+    content = json.loads(json.dumps({k: v for k, v in content.items() if k != "quantizer"}))
+    content["quantizer"] = {**Q_DIM8_1_1, "rotation": dict(Q_DIM8_1_1["rotation"])}
+    secs = [dict(s) for s in secs]
+    edit(content, secs)
+    return assemble(content, secs, **kw)
+
+
+def _too_many_sections(hb: bytes) -> bytes:
+    # replace the header with one whose "sections" array has MAX_SECTIONS + 1 nil entries
+    obj = msgpack.unpackb(hb, raw=False)
+    n = C.MAX_SECTIONS + 1
+    items = b"\xdd" + n.to_bytes(4, "big") + b"\xc0" * n
+    obj.pop("sections")
+    pairs = packb("sections") + items
+    return _map_header(1, pairs, packb(obj))
+
+
+def _zstd_section(content_size: int | None = None, blocks=None, raw_length: int | None = None,
+                  codec: str = "zstd", features=None, frame: bytes | None = None) -> bytes:
+    content, secs = v_worked_example()
+    tok = secs[0]["_data"]
+    if frame is None:
+        frame = zstd_frame(blocks or [("raw", tok)], len(tok) if content_size is None else content_size)
+    secs = [dict(secs[0], _data=frame, codec=codec, raw_length=len(tok) if raw_length is None else raw_length)] + secs[1:]
+    return assemble(content, secs, features=features)
+
+
+def _invalid() -> list[tuple[str, str, str, str, Callable[[], bytes]]]:
+    """(file, error class, stage, reason, builder)."""
+    W = _worked
+    last_sec_end = None  # computed lazily below
+
+    def worked_section_offsets() -> list[int]:
+        content, secs = v_worked_example()
+        pos, offs = 64, []
+        for s in secs:
+            o = align(pos)
+            offs.append(o)
+            pos = o + len(s["_data"])
+        return offs
+
+    offs = worked_section_offsets()
+    del last_sec_end
+    lf_nl = lambda d: d.replace(b"\r\n", b"\n")  # noqa: E731
+    tok = pack("i", [17, 42])
+    return [
+        # -- the preamble
+        ("bad_magic.rvq", "BadMagicError", "open", "the first 8 bytes are a ZIP signature, not the .rvq magic",
+         lambda: W(edit_preamble=lambda f: f.update(magic=b"PK\x03\x04\x14\x00\x00\x00"))),
+        ("magic_crlf_to_lf.rvq", "BadMagicError", "open",
+         "every CR LF was converted to LF (text-mode transfer); the magic's \\r\\n became \\n", lambda: lf_nl(W())),
+        ("magic_lf_to_crlf.rvq", "BadMagicError", "open",
+         "every LF was converted to CR LF (text-mode transfer); the magic's \\n became \\r\\n",
+         lambda: W().replace(b"\n", b"\r\n")),
+        ("magic_7bit.rvq", "BadMagicError", "open", "the high bit of every byte was cleared (7-bit transfer)",
+         lambda: bytes(b & 0x7F for b in W())),
+        ("empty_file.rvq", "TruncatedFileError", "open", "the file is empty", lambda: b""),
+        ("truncated_in_magic.rvq", "TruncatedFileError", "open", "only the first 5 bytes of the magic",
+         lambda: W()[:5]),
+        ("truncated_preamble.rvq", "TruncatedFileError", "open", "the file ends inside the 64-byte preamble",
+         lambda: W()[:40]),
+        ("major_2.rvq", "UnsupportedVersionError", "open", "major version 2 (checksums valid)",
+         lambda: W(major=2)),
+        ("major_0.rvq", "UnsupportedVersionError", "open", "major version 0 (checksums valid)",
+         lambda: W(major=0)),
+        ("unknown_flag.rvq", "UnknownFeatureError", "open", "flag bit 5 is set; v1.0 defines no flag bits",
+         lambda: W(flags=1 << 5)),
+        ("preamble_checksum.rvq", "ChecksumMismatchError", "open",
+         "one bit of the reserved field flipped after the preamble checksum was computed",
+         lambda: _flip(W(), 48)),
+        ("file_length_inflated.rvq", "TruncatedFileError", "open",
+         "the preamble declares 64 bytes more than the file holds (as if truncated)",
+         lambda: W(edit_preamble=lambda f: f.update(file_length=f["file_length"] + 64))),
+        ("truncated_at_section_boundary.rvq", "TruncatedFileError", "open",
+         "the file is cut right after its first section", lambda: W()[: offs[1]]),
+        ("truncated_in_header.rvq", "TruncatedFileError", "open", "the file is cut 10 bytes before its end",
+         lambda: W()[:-10]),
+        ("trailing_bytes.rvq", "TrailingDataError", "open", "one byte appended after the declared end",
+         lambda: W() + b"\x00"),
+        ("header_length_inflated.rvq", "TruncatedFileError", "open",
+         "the header length runs 1 byte past the end of the file",
+         lambda: W(edit_preamble=lambda f: f.update(header_length=f["header_length"] + 1))),
+        ("header_length_huge.rvq", "LimitExceededError", "open", "header length 2^40, beyond the 16 MiB limit",
+         lambda: W(edit_preamble=lambda f: f.update(header_length=1 << 40))),
+        ("header_length_zero.rvq", "MalformedHeaderError", "open", "header length 0",
+         lambda: W(edit_preamble=lambda f: f.update(header_length=0))),
+        ("header_offset_misaligned.rvq", "LayoutError", "open", "header offset not a multiple of 64",
+         lambda: W(edit_preamble=lambda f: f.update(header_offset=f["header_offset"] + 8,
+                                                    header_length=f["header_length"] - 8))),
+        ("header_not_last.rvq", "LayoutError", "open",
+         "the header is shorter than the bytes after its offset (it must end the file)",
+         lambda: W(edit_preamble=lambda f: f.update(header_length=f["header_length"] - 1))),
+        ("header_checksum.rvq", "ChecksumMismatchError", "open", "one header byte flipped",
+         lambda: _flip(W(), len(W()) - 3)),
+        # -- the msgpack header
+        ("header_not_msgpack.rvq", "MalformedHeaderError", "open", "the header bytes are not msgpack (0xc1 is never used)",
+         lambda: W(header_bytes=lambda hb: b"\xc1" + hb[1:])),
+        ("header_not_map.rvq", "MalformedHeaderError", "open", "the header is a msgpack array",
+         lambda: W(header_bytes=lambda hb: packb([1, 2, 3]))),
+        ("header_trailing_msgpack.rvq", "MalformedHeaderError", "open", "a second msgpack object after the header map",
+         lambda: W(header_bytes=lambda hb: hb + b"\xc0")),
+        ("duplicate_key.rvq", "MalformedHeaderError", "open",
+         "the header map has the key 'n_tokens' twice (msgpack-python would keep the last)",
+         lambda: W(header_bytes=lambda hb: _map_header(1, packb("n_tokens") + packb(2), hb))),
+        ("ext_type.rvq", "MalformedHeaderError", "open", "an ext-type value (type 5) in the header",
+         lambda: W(header_bytes=lambda hb: _map_header(1, packb("x_ext") + b"\xd4\x05\x00", hb))),
+        ("timestamp_ext.rvq", "MalformedHeaderError", "open",
+         "a msgpack timestamp (ext type -1, which msgpack-python decodes without calling ext_hook)",
+         lambda: W(header_bytes=lambda hb: _map_header(1, packb("x_ts") + b"\xd6\xff\x00\x00\x00\x00", hb))),
+        ("non_string_key.rvq", "MalformedHeaderError", "open", "a map key that is an integer",
+         lambda: W(header_bytes=lambda hb: _map_header(1, packb(7) + packb("x"), hb))),
+        ("invalid_utf8.rvq", "MalformedHeaderError", "open", "a str value that is not valid UTF-8",
+         lambda: W(header_bytes=lambda hb: _map_header(1, packb("x_bad") + b"\xa2\xff\xfe", hb))),
+        ("deep_nesting.rvq", "MalformedHeaderError", "open", "a value nested 100 arrays deep (limit 32)",
+         lambda: W(edit_header=lambda h: h.update(x_deep=json.loads("[" * 100 + "]" * 100)))),
+        ("format_version_mismatch.rvq", "MalformedHeaderError", "open",
+         "header.format_version says 1.1 while the preamble says 1.0",
+         lambda: W(edit_header=lambda h: h.update(format_version=[1, 1]))),
+        ("unknown_required_feature.rvq", "UnknownFeatureError", "open",
+         "required_features lists 'teleportation'", lambda: W(features=["teleportation"])),
+        ("missing_key.rvq", "MalformedHeaderError", "open", "the header has no 'n_tokens'",
+         lambda: W(edit_header=lambda h: h.pop("n_tokens"))),
+        ("bool_as_int.rvq", "MalformedHeaderError", "open", "layers[0].batch is the boolean true, not an integer",
+         lambda: W(edit_header=lambda h: h["layers"][0].update(batch=True))),
+        ("too_many_sections.rvq", "LimitExceededError", "open",
+         f"the section table has {C.MAX_SECTIONS + 1} entries (limit {C.MAX_SECTIONS})",
+         lambda: W(header_bytes=_too_many_sections)),
+        ("too_many_layers.rvq", "LimitExceededError", "open", f"{C.MAX_LAYERS + 1} layers (limit {C.MAX_LAYERS})",
+         lambda: W(edit_header=lambda h: h.update(layers=[None] * (C.MAX_LAYERS + 1)))),
+        ("head_dim_limit.rvq", "LimitExceededError", "open", "layers[0].head_dim is 2^20 (limit 2^16)",
+         lambda: W(edit_header=lambda h: h["layers"][0].update(head_dim=1 << 20))),
+        ("ndim_limit.rvq", "LimitExceededError", "open", "a shape with 9 dimensions (limit 8)",
+         lambda: W(edit_header=_edit_section(0, shape=[1] * 8 + [2]))),
+        ("shape_overflow.rvq", "LimitExceededError", "open",
+         "shape [2^40, 2^40, 2^40, 2^40]: the element count overflows 64 bits (limit 2^40)",
+         lambda: W(edit_header=_edit_section(1, shape=[1 << 40] * 4, raw_length=0))),
+        ("shape_size_mismatch.rvq", "MalformedHeaderError", "open",
+         "raw_length 8 does not match shape [3] of int32 (12 bytes)",
+         lambda: W(edit_header=_edit_section(0, shape=[3]))),
+        ("raw_length_mismatch.rvq", "MalformedHeaderError", "open",
+         "a raw section whose stored length differs from its raw_length",
+         lambda: W(edit_header=_edit_section(0, raw_length=12, shape=[3]))),
+        ("unknown_dtype.rvq", "MalformedHeaderError", "open", "dtype 'float8'",
+         lambda: W(edit_header=_edit_section(0, dtype="float8"))),
+        ("unknown_codec.rvq", "MalformedHeaderError", "open", "codec 'lz4'",
+         lambda: W(edit_header=_edit_section(0, codec="lz4"))),
+        ("negative_offset.rvq", "MalformedHeaderError", "open", "a section offset of -64",
+         lambda: W(edit_header=_edit_section(0, offset=-64))),
+        ("duplicate_section_name.rvq", "MalformedHeaderError", "open", "two sections named 'tokens'",
+         lambda: W(edit_header=_edit_section(1, name="tokens"))),
+        # -- layout
+        ("sections_overlap.rvq", "LayoutError", "open", "the second section starts inside the first",
+         lambda: W(offsets=[offs[0], offs[0]] + offs[2:])),
+        ("sections_unsorted.rvq", "LayoutError", "open", "the table lists the sections out of offset order",
+         lambda: W(edit_header=lambda h: h["sections"].insert(0, h["sections"].pop(2)))),
+        ("section_misaligned.rvq", "LayoutError", "open", "a section offset 8 bytes past a 64-byte boundary",
+         lambda: W(offsets=[offs[0], offs[1] + 8] + offs[2:])),
+        ("section_hole.rvq", "LayoutError", "open", "64 bytes of gap before a section",
+         lambda: W(offsets=[o + 64 * (i >= 1) for i, o in enumerate(offs)])),
+        ("header_hole.rvq", "LayoutError", "open", "64 bytes of gap before the header",
+         lambda: W(header_offset=align(offs[-1] + 4) + 64)),
+        ("section_length_inflated.rvq", "LayoutError", "open",
+         "the first section's shape/length are inflated (consistently) so it runs into the next one",
+         lambda: W(edit_header=_edit_section(0, shape=[100], raw_length=400, length=400))),
+        ("section_past_header.rvq", "LayoutError", "open", "the last section's length runs into the header",
+         lambda: W(edit_header=_edit_section(6, shape=[1, 1, 200], raw_length=400, length=400))),
+        ("nonzero_padding.rvq", "LayoutError", "read", "a padding byte between two sections is 0x01",
+         lambda: (lambda d: d[: offs[1] - 1] + b"\x01" + d[offs[1]:])(W())),
+        ("section_checksum.rvq", "ChecksumMismatchError", "read", "one bit flipped in a section's data",
+         lambda: _flip(W(), offs[1])),
+        # -- content rules
+        ("missing_section.rvq", "MalformedHeaderError", "open", "layer 0 has no keys.scales section",
+         lambda: _worked_content_edit(lambda c, s: s.pop(3))),
+        ("wrong_dtype_for_kind.rvq", "MalformedHeaderError", "open", "keys.scales declared float16 instead of bfloat16",
+         lambda: W(edit_header=_edit_section(3, dtype="float16"))),
+        ("tokens_shape_mismatch.rvq", "MalformedHeaderError", "open", "n_tokens is 3 but the tokens section holds 2",
+         lambda: W(edit_header=lambda h: h.update(n_tokens=3))),
+        ("layer_out_of_range.rvq", "MalformedHeaderError", "open", "a section refers to layer 5 of a 1-layer file",
+         lambda: W(edit_header=_edit_section(3, layer=5))),
+        ("dense_section_without_dense_tokens.rvq", "MalformedHeaderError", "open",
+         "an rvq layer with n_dense_tokens 0 has a keys.dense section",
+         lambda: _worked_content_edit(lambda c, s: s.append(
+             sec("layers.0.keys.dense", 0, "keys.dense", "float16", [1, 1, 0, 8], b"")))),
+        ("codes_words_mismatch.rvq", "MalformedHeaderError", "open",
+         "keys.codes1 has 2 words per vector; 8 codes of 1 bit need 1",
+         lambda: _worked_content_edit(lambda c, s: s.__setitem__(1, dict(s[1], shape=[1, 1, 1, 2])))),
+        ("rvq_layer_without_quantizer.rvq", "MalformedHeaderError", "open", "an rvq layer but quantizer is nil",
+         lambda: W(edit_header=lambda h: h.update(quantizer=None))),
+        ("quantizer_version_unknown.rvq", "UnsupportedVersionError", "open", "turboquant-rvq version 2",
+         lambda: W(edit_header=lambda h: h["quantizer"].update(version=2))),
+        ("quantizer_table_unsorted.rvq", "MalformedHeaderError", "open", "centroids1 not increasing",
+         lambda: W(edit_header=lambda h: h["quantizer"].update(centroids1=[0.5, -0.5]))),
+        ("quantizer_signs_length.rvq", "MalformedHeaderError", "open", "rotation.signs has 2 bytes for dim 8",
+         lambda: W(edit_header=lambda h: h["quantizer"]["rotation"].update(signs=b"\x0c\x00"))),
+        ("quantizer_unknown_prng.rvq", "UnknownFeatureError", "open", "rotation.prng is 'mt19937'",
+         lambda: W(edit_header=lambda h: h["quantizer"]["rotation"].update(prng="mt19937"))),
+        ("codes_unused_bits.rvq", "MalformedSectionError", "decode",
+         "a stage-1 word of a dim-8 1-bit code has bit 31 set (only bits 0..7 carry codes)",
+         lambda: _worked_content_edit(lambda c, s: s.__setitem__(1, dict(s[1], _data=pack("I", [0x80000001, 0x5]))))),
+        # -- zstd
+        ("zstd_without_feature.rvq", "MalformedHeaderError", "open",
+         "a zstd section in a file whose required_features lacks 'zstd'", lambda: _zstd_section(features=[])),
+        ("zstd_huge_claim.rvq", "LimitExceededError", "open",
+         "a 17-byte zstd frame (one RLE block) declares raw_length 2^40 (more than 32x its stored length; a reader must not allocate it)",
+         lambda: _zstd_section_huge()),
+        ("zstd_content_size_mismatch.rvq", "MalformedSectionError", "read",
+         "the frame's content size (2^40) differs from the header's raw_length (8)",
+         lambda: _zstd_section(content_size=1 << 40)),
+        ("zstd_no_content_size.rvq", "MalformedSectionError", "read", "the frame has no content size field",
+         lambda: _zstd_section(frame=zstd_frame([("raw", tok)], None))),
+        ("zstd_decodes_short.rvq", "MalformedSectionError", "read",
+         "the frame declares 8 bytes but its blocks hold 4",
+         lambda: _zstd_section(frame=zstd_frame([("raw", tok[:4])], 8))),
+        ("zstd_two_frames.rvq", "MalformedSectionError", "read", "two zstd frames back to back",
+         lambda: _zstd_section(frame=zstd_frame([("raw", tok)], 8) + zstd_frame([("raw", b"\x00")], 1))),
+        ("zstd_not_a_frame.rvq", "MalformedSectionError", "read", "the stored bytes do not start with the zstd magic",
+         lambda: _zstd_section(frame=b"\x00" * 16)),
+        ("zstd_skippable_frame.rvq", "MalformedSectionError", "read", "a skippable frame instead of a data frame",
+         lambda: _zstd_section(frame=b"\x50\x2a\x4d\x18" + (8).to_bytes(4, "little") + tok)),
+    ]
+
+
+def _zstd_section_huge() -> bytes:
+    content, secs = v_worked_example()
+    frame = zstd_frame([("rle", (0, 1 << 17))], 1 << 40)
+    secs = [dict(secs[0], _data=frame, codec="zstd", raw_length=1 << 40, shape=[1 << 38])] + secs[1:]
+    return assemble(content, secs)
+
+
+INVALID = _invalid()
+
+
+# ---- the worked example dump --------------------------------------------------------------------------------------
+def _hexlines(data: bytes, start: int) -> list[str]:
+    out = []
+    for i in range(0, len(data), 16):
+        chunk = data[i: i + 16]
+        out.append(f"{start + i:06x}  {' '.join(f'{b:02x}' for b in chunk)}")
+    return out
+
+
+def worked_example_dump(data: bytes) -> str:
+    """A byte-range-by-byte-range listing of a file (used for the spec's worked example)."""
+    f = struct.unpack("<8sHHIQQQQQQ", data[:64])
+    names = ["magic", "major", "minor", "flags", "header_offset", "header_length", "header_checksum",
+             "file_length", "reserved", "preamble_checksum"]
+    sizes = [8, 2, 2, 4, 8, 8, 8, 8, 8, 8]
+    lines = ["offset  bytes (hex)                                      field", ""]
+    pos = 0
+    for name, size, val in zip(names, sizes, f):
+        hexs = " ".join(f"{b:02x}" for b in data[pos: pos + size])
+        shown = repr(val)[1:] if isinstance(val, bytes) else (f"{val:#018x}" if "checksum" in name else str(val))
+        lines.append(f"{pos:06x}  {hexs:<47}  {name} = {shown}")
+        pos += size
+    h_off, h_len = f[4], f[5]
+    header = msgpack.unpackb(data[h_off: h_off + h_len], raw=False)
+    for e in header["sections"]:
+        if e["offset"] > pos:
+            lines.append(f"{pos:06x}  ({e['offset'] - pos} zero bytes of padding)")
+        lines.append("")
+        lines.append(f"section {e['name']!r}: {e['dtype']} {e['shape']}, {e['codec']}, "
+                     f"{e['length']} bytes, checksum {e['checksum']:#018x}")
+        lines.extend(_hexlines(data[e["offset"]: e["offset"] + e["length"]], e["offset"]))
+        pos = e["offset"] + e["length"]
+    if h_off > pos:
+        lines.append(f"{pos:06x}  ({h_off - pos} zero bytes of padding)")
+    lines.append("")
+    lines.append(f"header: {h_len} bytes of msgpack, checksum {f[6]:#018x}")
+    lines.extend(_hexlines(data[h_off: h_off + h_len], h_off))
+    lines.append(f"{h_off + h_len:06x}  (end of file)")
+    return "\n".join(lines) + "\n"
+
+
+def worked_example_header_json(data: bytes) -> str:
+    """The decoded header, one top-level key (or one list entry) per line; bin values as <bin HEX>."""
+    f = struct.unpack("<8sHHIQQQQQQ", data[:64])
+    header = msgpack.unpackb(data[f[4]: f[4] + f[5]], raw=False)
+
+    def conv(v):
+        if isinstance(v, bytes):
+            return f"<bin {v.hex()}>"
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [conv(x) for x in v]
+        return v
+
+    lines = ["{"]
+    keys = list(header)
+    for n, k in enumerate(keys):
+        v = conv(header[k])
+        end = "," if n < len(keys) - 1 else ""
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            lines.append(f" {json.dumps(k)}: [")
+            for i, e in enumerate(v):
+                lines.append("  " + json.dumps(e) + ("," if i < len(v) - 1 else ""))
+            lines.append(" ]" + end)
+        elif isinstance(v, dict) and len(json.dumps(v)) > 100:
+            lines.append(f" {json.dumps(k)}: {{")
+            items = list(v.items())
+            for i, (k2, v2) in enumerate(items):
+                lines.append(f"  {json.dumps(k2)}: {json.dumps(v2)}" + ("," if i < len(items) - 1 else ""))
+            lines.append(" }" + end)
+        else:
+            lines.append(f" {json.dumps(k)}: {json.dumps(v)}{end}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- main ----------------------------------------------------------------------------------------------------------
+def generate(out: Path) -> list[Path]:
+    """Write every vector under ``out`` (``valid/``, ``invalid/``); returns the files written."""
+    written = []
+    (out / "valid").mkdir(parents=True, exist_ok=True)
+    (out / "invalid").mkdir(parents=True, exist_ok=True)
+    valid_manifest = []
+    for name, build in VALID.items():
+        data = build()
+        p = out / "valid" / name
+        p.write_bytes(data)
+        j = out / "valid" / (name[:-4] + ".json")
+        j.write_text(json.dumps(expected_json(data), indent=1, sort_keys=True) + "\n")
+        written += [p, j]
+        valid_manifest.append({"file": name, "expected": j.name})
+    m = out / "valid" / "MANIFEST.json"
+    m.write_text(json.dumps(valid_manifest, indent=1) + "\n")
+    written.append(m)
+    manifest = []
+    for name, err, stage, reason, build in INVALID:
+        data = build()
+        p = out / "invalid" / name
+        p.write_bytes(data)
+        written.append(p)
+        manifest.append({"file": name, "error": err, "stage": stage, "reason": reason})
+    m = out / "invalid" / "MANIFEST.json"
+    m.write_text(json.dumps(manifest, indent=1) + "\n")
+    written.append(m)
+    return written
+
+
+SPEC = ROOT / "format_spec" / "rvq-v1.md"
+
+
+def spec_blocks() -> dict[str, str]:
+    """The generated blocks of the spec, by marker name."""
+    data = VALID["worked_example.rvq"]()
+    we = ("```text\n" + worked_example_dump(data) + "```\n\nThe header, decoded (bin values shown as "
+          "`<bin HEX>`):\n\n```json\n" + worked_example_header_json(data) + "```\n")
+    from rvqstore.hadamard import BASE_MATRICES
+
+    had = "```text\n" + "\n".join(f"A_{m}:\n" + "\n".join(rows) + "\n" for m, rows in sorted(BASE_MATRICES.items())) + "```\n"
+    return {"worked-example": we, "hadamard-matrices": had}
+
+
+def render_spec(text: str) -> str:
+    """``text`` with every generated block replaced by its current rendering."""
+    for name, body in spec_blocks().items():
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        i, j = text.index(begin) + len(begin), text.index(end)
+        text = text[:i] + "\n" + body + text[j:]
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", nargs="?", default=str(ROOT / "format_spec" / "vectors"))
+    ap.add_argument("--worked-example", action="store_true", help="print the spec's worked-example dump")
+    ap.add_argument("--update-spec", action="store_true",
+                    help="rewrite the generated blocks of format_spec/rvq-v1.md (worked example, appendix)")
+    args = ap.parse_args(argv)
+    if args.worked_example:
+        data = VALID["worked_example.rvq"]()
+        sys.stdout.write(worked_example_dump(data))
+        sys.stdout.write("\n")
+        sys.stdout.write(worked_example_header_json(data))
+        return 0
+    if args.update_spec:
+        SPEC.write_text(render_spec(SPEC.read_text()))
+        print(f"updated {SPEC}")
+        return 0
+    files = generate(Path(args.out))
+    print(f"wrote {len(files)} files under {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
