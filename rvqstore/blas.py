@@ -36,9 +36,12 @@ def blas_is_fast() -> bool:
         return True
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            return "libopenblas" in f.read()
+            paths = {line.split()[-1] for line in f if "libopenblas" in line}
     except OSError:
         return False
+    # Wheel-vendored copies (numpy.libs/libopenblas64_p-...so) use suffixed symbols MLX never
+    # calls, so they do not count.
+    return any(".libs/" not in p for p in paths)
 
 
 def maybe_reexec_with_openblas(argv: Sequence[str] | None = None) -> None:
