@@ -100,6 +100,33 @@ def _quantizer_summary(q: dict | None) -> dict | None:
     return out
 
 
+def _quantizer_lines(q: dict | None) -> list[str]:
+    pad = "            "
+    if q is None:
+        return ["quantizer   none (all layers dense)"]
+    s = _quantizer_summary(q) or {}
+    lines = [f"quantizer   {s.get('name')} v{s.get('version')}"]
+    if q.get("name") == "turboquant-rvq":
+        b2 = q.get("bits2")
+        lines[0] += (f": dim {q.get('dim')}, bits {q.get('bits1')}+{b2}"
+                     + (f", {q.get('residual')} residual" if b2 else " (single stage)")
+                     + f", scales {q.get('scale_dtype')}")
+        rot = s.get("rotation") or {}
+        lines.append(f"{pad}rotation {rot.get('kind')}, prng {rot.get('prng')}, seed {rot.get('seed')}, "
+                     f"signs {rot.get('signs')}")
+        tables = [f"{k} {s[k]}" for k in ("centroids1", "boundaries1", "centroids2", "boundaries2") if k in s]
+        lines.append(f"{pad}tables: " + ", ".join(tables) + " (--json prints them)")
+        return lines
+    for k, v in s.items():
+        if k in ("name", "version"):
+            continue
+        if isinstance(v, dict):
+            lines.extend(f"{pad}{k}.{k2} = {v2}" for k2, v2 in v.items())
+        else:
+            lines.append(f"{pad}{k} = {v}")
+    return lines
+
+
 def describe(f) -> dict[str, Any]:
     """Everything ``inspect`` reports, from the header alone (no section is read)."""
     h = f.header
@@ -177,17 +204,8 @@ def _print_inspect(d: dict[str, Any], out) -> None:
     w(f"tokens      {d['n_tokens']:,}" + ("  (token ids stored)" if d["token_ids_stored"] else "  (no token ids)") + "\n")
     if d["metadata"]:
         w("metadata    " + "\n            ".join(f"{k} = {v}" for k, v in d["metadata"].items()) + "\n")
-    q = _quantizer_summary(d["quantizer"])
-    if q is None:
-        w("quantizer   none (all layers dense)\n")
-    else:
-        flat = []
-        for k, v in q.items():
-            if isinstance(v, dict):
-                flat.extend(f"{k}.{k2} = {v2}" for k2, v2 in v.items())
-            else:
-                flat.append(f"{k} = {v}")
-        w("quantizer   " + "\n            ".join(flat) + "\n")
+    for line in _quantizer_lines(d["quantizer"]):
+        w(line + "\n")
     w("\n")
     hdr = (f"{'layer':>5} {'kind':<5} {'tokens':>8} {'dense':>6} {'batch':>5} {'heads':>5} {'dim':>5} "
            f"{'stored B':>14} {'fp16 B':>14} {'ratio':>7} {'bits/coord':>10}\n")
@@ -200,7 +218,7 @@ def _print_inspect(d: dict[str, Any], out) -> None:
     t = d["totals"]
     ratio = f"{t['ratio']:.2f}x" if t["ratio"] else "-"
     bpc = f"{t['bits_per_coordinate']:.3f}" if t["bits_per_coordinate"] else "-"
-    w(f"{'total':>5} {t['layers']:>5} {'':>8} {'':>6} {'':>5} {'':>5} {'':>5} {t['stored_bytes']:>14,} "
+    w(f"{'total':>5} {'':<5} {'':>8} {'':>6} {'':>5} {'':>5} {'':>5} {t['stored_bytes']:>14,} "
       f"{t['fp16_bytes']:>14,} {ratio:>7} {bpc:>10}\n")
     if d["other_sections"]:
         w("\nother sections: " + ", ".join(f"{s['name']} ({s['kind']}, {s['length']:,} B)" for s in d["other_sections"]) + "\n")

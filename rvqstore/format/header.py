@@ -145,14 +145,12 @@ _ALLOWED = (type(None), bool, int, float, str, bytes)
 
 
 def _check_tree(obj: Any, depth: int) -> None:
-    if depth > C.MAX_DEPTH:
-        raise _Refused(f"nesting deeper than {C.MAX_DEPTH} levels")
+    """Only the allowed types, and maps/arrays nested at most MAX_DEPTH levels (the header is level 1)."""
     t = type(obj)
-    if t is dict:
-        for v in obj.values():
-            _check_tree(v, depth + 1)
-    elif t is list:
-        for v in obj:
+    if t is dict or t is list:
+        if depth > C.MAX_DEPTH:
+            raise _Refused(f"nesting deeper than {C.MAX_DEPTH} levels")
+        for v in (obj.values() if t is dict else obj):
             _check_tree(v, depth + 1)
     elif t not in _ALLOWED:
         raise _Refused(f"value of msgpack type {t.__name__} is not allowed")
