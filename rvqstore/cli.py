@@ -292,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {version}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
+    from . import cli_generate  # noqa: F401 - registers the model commands (cache-prompt, generate, demo)
+
     for c in _COMMANDS:
         p = sub.add_parser(c.name, help=c.help, description=c.help)
         if c.configure is not None:
