@@ -38,3 +38,29 @@ def pytest_configure(config):
         if capman is not None:  # give the terminal back to the process that replaces this one
             capman.stop_global_capturing()
         maybe_reexec_with_openblas()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The bundled SmolLM2-135M-Instruct (model, tokenizer). Missing model: skip locally, fail in CI
+    (CI installs it, so a skip there would hide the real-model tests)."""
+    import os
+
+    from rvqstore.errors import ModelNotFoundError
+    from rvqstore.model import load_model
+
+    try:
+        return load_model()
+    except ModelNotFoundError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"bundled model missing in CI: {e}")
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def sample_tokens(smollm2):
+    """Token ids of the bundled real English text."""
+    from importlib import resources
+
+    text = resources.files("rvqstore").joinpath("data/python_docs_excerpt.txt").read_text(encoding="utf-8")
+    return list(smollm2[1].encode(text))
