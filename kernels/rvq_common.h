@@ -136,3 +136,77 @@ RVQ_FN void rvq_decode_chunk(TC1 codes1, RVQ_U64 o1, TC2 codes2, RVQ_U64 o2, int
     }
   }
 }
+
+// ---- LAYOUT 1 ("lanes"): one thread per 4 coordinates, fully coalesced 16-byte accesses ----------
+// For codes of 1, 2 or 4 bits (32/B a multiple of 4) and D a multiple of 4. Encode: a vector gets
+// tpv = ceil(D / C) * (C / 4) threads (C as above), so the G = (32/B)/4 lanes that share a word are
+// aligned neighbours inside one warp/simdgroup; each lane quantizes its float4, shifts its codes to
+// their place in the word, and the word is OR-combined across its G lanes with log2(G) xor-shuffles
+// (no shared memory, no serial packing loop); the word's first lane stores it. Lanes past D (a
+// partial last chunk) or past the grid contribute nothing but still take part in the shuffles.
+template <int B1, int B2, int MODE, int SEARCH, typename TY, typename TT, typename TO1, typename TO2>
+RVQ_FN void rvq_encode_lanes(TY y, uint gid, uint total, uint dim, uint tpv, uint nw1, uint nw2, bool al,
+                             TT tab, TO1 codes1, TO2 codes2) {
+  constexpr int P1 = 32 / B1;
+  constexpr int P2 = (B2 > 0) ? 32 / B2 : 32;
+  constexpr uint G1 = uint(P1 / 4);
+  constexpr uint G2 = uint(P2 / 4);
+  const uint n = gid / tpv;
+  const uint t = gid - n * tpv;
+  const uint j0 = t * 4u;
+  const bool active = gid < total && j0 < dim;
+  uint f1 = 0u;
+  uint f2 = 0u;
+  if (active) {
+    float v[4];
+    RVQ_LOADV(v, y, RVQ_U64(n) * dim + j0, 4, al);
+    const uint s1 = (t % G1) * uint(4 * B1);
+    const uint s2 = (t % G2) * uint(4 * B2);
+    RVQ_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const uint q = rvq_quantize<B1, B2, MODE, SEARCH>(v[e], tab);
+      f1 |= (q & 0xffu) << (s1 + uint(e * B1));
+      if (B2 > 0) f2 |= (q >> 8) << (s2 + uint(e * B2));
+    }
+  }
+  RVQ_UNROLL
+  for (uint m = 1u; m < G1; m <<= 1) f1 |= RVQ_SHFL_XOR(f1, m);
+  if (B2 > 0) {
+    RVQ_UNROLL
+    for (uint m = 1u; m < G2; m <<= 1) f2 |= RVQ_SHFL_XOR(f2, m);
+  }
+  if (active) {
+    if (t % G1 == 0u) codes1[RVQ_U64(n) * nw1 + j0 / uint(P1)] = f1;
+    if (B2 > 0 && t % G2 == 0u) codes2[RVQ_U64(n) * nw2 + j0 / uint(P2)] = f2;
+  }
+}
+
+// Decode, LAYOUT 1: one thread per 4 output coordinates (tpv = D / 4): it reads the one word of each
+// stream holding its 4 codes (the G lanes sharing a word read the same address) and writes a float4.
+template <int B1, int B2, int MODE, typename TC1, typename TC2, typename TT, typename TO>
+RVQ_FN void rvq_decode_lanes(uint gid, uint total, uint dim, uint tpv, uint nw1, uint nw2,
+                             TC1 codes1, TC2 codes2, TT tab, TO out, bool al) {
+  constexpr int P1 = 32 / B1;
+  constexpr int P2 = (B2 > 0) ? 32 / B2 : 32;
+  constexpr uint M1 = (1u << B1) - 1u;
+  constexpr uint M2 = (1u << B2) - 1u;
+  if (gid >= total) return;
+  const uint n = gid / tpv;
+  const uint j0 = (gid - n * tpv) * 4u;
+  const uint w1 = codes1[RVQ_U64(n) * nw1 + j0 / uint(P1)] >> ((j0 % uint(P1)) * uint(B1));
+  const uint w2 = (B2 > 0) ? (codes2[RVQ_U64(n) * nw2 + j0 / uint(P2)] >> ((j0 % uint(P2)) * uint(B2))) : 0u;
+  float v[4];
+  RVQ_UNROLL
+  for (int e = 0; e < 4; ++e) {
+    const uint i1 = (w1 >> uint(e * B1)) & M1;
+    const uint i2 = (B2 > 0) ? ((w2 >> uint(e * B2)) & M2) : 0u;
+    if (MODE == 1) {
+      v[e] = tab[(i1 << B2) | i2];
+    } else if (MODE == 2) {
+      v[e] = tab[i1] + tab[(1 << B1) + i2];  // float32 add, as the reference
+    } else {
+      v[e] = tab[i1];
+    }
+  }
+  RVQ_STOREV(out, RVQ_U64(n) * dim + j0, v, 4, al);
+}

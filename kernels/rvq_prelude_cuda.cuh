@@ -11,6 +11,8 @@ typedef unsigned long long rvq_u64;
 #define RVQ_SHARED __shared__
 #define RVQ_BARRIER() __syncthreads()
 #define RVQ_UNROLL _Pragma("unroll")
+// OR-combining code fragments across the lanes of a word: every lane of the warp takes part
+#define RVQ_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
 // 16-byte vector loads/stores need an aligned base; an array with an odd offset takes scalar ones.
 #define RVQ_ALIGNED16(p) ((reinterpret_cast<RVQ_U64>(p) & 15ull) == 0ull)
 

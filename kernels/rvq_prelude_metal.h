@@ -9,6 +9,8 @@ typedef ulong rvq_u64;
 #define RVQ_SHARED threadgroup
 #define RVQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define RVQ_UNROLL _Pragma("clang loop unroll(full)")
+// OR-combining code fragments across the lanes of a word: every lane of the simdgroup takes part
+#define RVQ_SHFL_XOR(v, m) simd_shuffle_xor((v), ushort(m))
 // Metal: element-wise accesses (MLX hands small inputs over in the constant address space, so
 // the pointers are not cast); the compiler merges neighbouring ones.
 #define RVQ_ALIGNED16(p) true

@@ -38,6 +38,7 @@ ENCODE, DECODE = "encode", "decode"
 DIALECTS = ("metal", "cuda")
 MODE_SINGLE, MODE_CONDITIONAL, MODE_SHARED = 0, 1, 2
 SEARCH_BINARY, SEARCH_LINEAR = 0, 1
+LAYOUT_CHUNK, LAYOUT_LANES = 0, 1
 
 #: threads per threadgroup (several vectors per threadgroup: 256 / (dim / chunk))
 THREADS_PER_GROUP = 256
@@ -181,9 +182,10 @@ class Plan:
     bits1: int
     bits2: int  # 0: single stage (decode: also stage 1 only)
     mode: int
-    chunk: int  # coordinates per thread: whole words of both streams
-    vl: int  # vector width of the float loads/stores
+    chunk: int  # coordinates holding whole words of both streams (= per thread in the chunk layout)
+    vl: int  # vector width of the float loads/stores (chunk layout)
     search: int
+    layout: int  # LAYOUT_LANES where the codes allow it (1/2/4 bits, dim % 4 == 0), else LAYOUT_CHUNK
     tab: mx.array
     tabn: int
     words1: int
@@ -193,10 +195,19 @@ class Plan:
     def chunks_per_vector(self) -> int:
         return -(-self.dim // self.chunk)
 
-    def template(self, search: int | None = None) -> list[tuple[str, int]]:
+    def threads_per_vector(self, layout: int | None = None) -> int:
+        layout = self.layout if layout is None else layout
+        if layout == LAYOUT_CHUNK:
+            return self.chunks_per_vector
+        if self.kind == ENCODE:  # whole chunks, so the lanes of a word never straddle two vectors
+            return self.chunks_per_vector * (self.chunk // 4)
+        return self.dim // 4
+
+    def template(self, search: int | None = None, layout: int | None = None) -> list[tuple[str, int]]:
         t = [("T_B1", self.bits1), ("T_B2", self.bits2), ("T_MODE", self.mode)]
         if self.kind == ENCODE:
             t.append(("T_SEARCH", self.search if search is None else search))
+        t.append(("T_LAYOUT", self.layout if layout is None else layout))
         return t + [("T_VL", self.vl), ("T_C", self.chunk), ("T_TABN", self.tabn)]
 
 
@@ -271,8 +282,9 @@ def make_plan(codec, kind: str, stage1_only: bool = False) -> Plan | str:
         raise ValueError(f"unknown kernel kind {kind!r}")
     tab, tabn = _table(parts)
     chunk = _chunk(b1, b2)
-    return Plan(kind, codec.dim, b1, b2, mode, chunk, _vector_width(codec.dim, chunk), search, tab, tabn,
-                codec.words1, codec.words2 if b2 else 0)
+    lanes = codec.dim % 4 == 0 and b1 in (1, 2, 4) and b2 in (0, 1, 2, 4)
+    return Plan(kind, codec.dim, b1, b2, mode, chunk, _vector_width(codec.dim, chunk), search,
+                LAYOUT_LANES if lanes else LAYOUT_CHUNK, tab, tabn, codec.words1, codec.words2 if b2 else 0)
 
 
 def _plan(codec, kind: str, stage1_only: bool) -> Plan | str:
@@ -285,36 +297,51 @@ def _plan(codec, kind: str, stage1_only: bool) -> Plan | str:
 
 
 # ---- launches (no fallback: these raise) ----------------------------------------------------------
-def _params(plan: Plan, n: int) -> tuple[mx.array, int]:
-    threads = n * plan.chunks_per_vector
+_params_cache: dict[tuple, mx.array] = {}
+
+
+def _params(plan: Plan, n: int, layout: int | None) -> tuple[mx.array, int]:
+    tpv = plan.threads_per_vector(layout)
+    threads = n * tpv
     if threads > _MAX_THREADS:
         raise ValueError(f"{n} vectors need {threads} threads, more than one launch takes")
-    return mx.array([threads, plan.dim, plan.chunks_per_vector, plan.words1, plan.words2], dtype=mx.uint32), threads
+    key = (threads, plan.dim, tpv, plan.words1, plan.words2)
+    p = _params_cache.get(key)
+    if p is None:  # small host array; keep the recent ones instead of rebuilding per call
+        if len(_params_cache) > 256:
+            _params_cache.clear()
+        p = _params_cache[key] = mx.array(list(key), dtype=mx.uint32)
+    return p, threads
 
 
 def launch_encode(plan: Plan, y2d: mx.array, dialect: str, *, search: int | None = None,
-                  threads_per_group: int | None = None) -> tuple[mx.array, mx.array | None]:
+                  layout: int | None = None, threads_per_group: int | None = None
+                  ) -> tuple[mx.array, mx.array | None]:
     """Run the encode kernel on ``y2d`` (float32, ``(N, dim)``): packed ``(codes1, codes2)``."""
     n = int(y2d.shape[0])
-    params, threads = _params(plan, n)
+    if layout == LAYOUT_LANES and plan.layout != LAYOUT_LANES:
+        raise ValueError("this configuration has no lanes layout")
+    params, threads = _params(plan, n, layout)
     two = plan.bits2 > 0
     shapes = [(n, plan.words1)] + ([(n, plan.words2)] if two else [])
     out = _kernel(ENCODE, dialect, two)(
-        inputs=[y2d, plan.tab, params], template=plan.template(search),
+        inputs=[y2d, plan.tab, params], template=plan.template(search, layout),
         grid=(threads, 1, 1), threadgroup=(threads_per_group or THREADS_PER_GROUP, 1, 1),
         output_shapes=shapes, output_dtypes=[mx.uint32] * len(shapes))
     return out[0], (out[1] if two else None)
 
 
 def launch_decode(plan: Plan, codes1: mx.array, codes2: mx.array | None, dialect: str, *,
-                  threads_per_group: int | None = None) -> mx.array:
+                  layout: int | None = None, threads_per_group: int | None = None) -> mx.array:
     """Run the decode kernel: ``y_hat`` (float32, ``(N, dim)``) from ``(N, words)`` codes."""
     n = int(codes1.shape[0])
-    params, threads = _params(plan, n)
+    if layout == LAYOUT_LANES and plan.layout != LAYOUT_LANES:
+        raise ValueError("this configuration has no lanes layout")
+    params, threads = _params(plan, n, layout)
     two = plan.bits2 > 0
     inputs = [codes1] + ([codes2] if two else []) + [plan.tab, params]
     return _kernel(DECODE, dialect, two)(
-        inputs=inputs, template=plan.template(),
+        inputs=inputs, template=plan.template(layout=layout),
         grid=(threads, 1, 1), threadgroup=(threads_per_group or THREADS_PER_GROUP, 1, 1),
         output_shapes=[(n, plan.dim)], output_dtypes=[mx.float32])[0]
 
@@ -365,7 +392,7 @@ def _same(a: mx.array, b: mx.array) -> bool:
 def _check_encode(codec, plan: Plan, dialect: str) -> None:
     probe = mx.array(boundary_probe(codec))
     got = launch_encode(plan, probe, dialect)
-    ref = codec._quantize_fn(probe)
+    ref = codec._quantize_reference(probe)  # uncompiled: no JIT compile of the reference per configuration
     if not _same(got[0], ref[0]) or (ref[1] is not None and not _same(got[1], ref[1])):
         raise RuntimeError("encode kernel disagrees with the reference on the boundary probe")
 
@@ -386,11 +413,12 @@ def _check_decode(codec, plan: Plan, dialect: str) -> None:
 
 
 def _reference_dequantize(codec, codes1, codes2):
+    """The codec's reference decode (uncompiled): stage 1 only, or ``_dequantize_reference``."""
     from .packing import unpack_codes
 
     if codes2 is None or not codec.bits2:
         return mx.take(codec._c1_mx, unpack_codes(codes1, codec.bits1, codec.dim).astype(mx.uint32))
-    return codec._dequantize_fn(codes1, codes2)
+    return codec._dequantize_reference(codes1, codes2)
 
 
 # ---- latch -----------------------------------------------------------------------------------------

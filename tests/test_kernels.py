@@ -183,6 +183,40 @@ def np_encode(plan, y, search=None):
     return out[0], out[1]
 
 
+def np_encode_lanes(plan, y):
+    """Mirror of rvq_encode_lanes: a thread per float4, words OR-combined over aligned lane groups."""
+    y = np.asarray(y, np.float32)
+    n, d = y.shape
+    tpv = plan.threads_per_vector(fused.LAYOUT_LANES)
+    assert 32 % (plan.chunk // 4) == 0 and tpv % (plan.chunk // 4) == 0
+    i1, i2 = _np_quantize(plan, y, plan.search)
+    gid = np.arange(n * tpv + 37)  # a ragged grid tail, as CUDA launches whole blocks
+    vec, t = gid // tpv, gid % tpv
+    j0 = 4 * t
+    active = (gid < n * tpv) & (j0 < d)
+    out = []
+    for bits, idx, words in ((plan.bits1, i1, plan.words1), (plan.bits2, i2, plan.words2)):
+        if not bits:
+            out.append(None)
+            continue
+        per, g = 32 // bits, (32 // bits) // 4
+        frag = np.zeros(gid.size, np.uint64)
+        for e in range(4):
+            j = np.minimum(j0 + e, d - 1)
+            code = np.where(active, idx[np.minimum(vec, n - 1), j], 0).astype(np.uint64)
+            frag |= code << (((t % g) * 4 + e) * bits).astype(np.uint64)
+        # xor-shuffle OR over lane groups of g aligned lanes (within warps of 32)
+        lane = gid % 32
+        for m in (1, 2, 4, 8, 16)[: int(np.log2(g))]:
+            partner = gid - lane + (lane ^ m)
+            frag = frag | frag[np.minimum(partner, gid.size - 1)]
+        w = np.full((n, words), 0xDEADBEEF, np.uint64)
+        own = active & (t % g == 0)
+        w[vec[own], j0[own] // per] = frag[own]
+        out.append(w.astype(np.uint32))
+    return out[0], out[1]
+
+
 def np_decode(plan, codes1, codes2):
     tab = np.asarray(plan.tab, np.float32)
     b1, b2, d = plan.bits1, plan.bits2, plan.dim
@@ -198,6 +232,7 @@ def np_decode(plan, codes1, codes2):
     return (tab[i1] + tab[(1 << b1) + i2]).astype(np.float32)
 
 
+@pytest.mark.skipif(fused.gpu_backend() is not None, reason="CPU-side model; GPU machines run the kernels themselves")
 @pytest.mark.parametrize("bits,residual", CONFIGS, ids=CONFIG_IDS)
 def test_numpy_model_of_kernels_is_exact(bits, residual):
     for dim in (12, 64, 80, 96, 160):
@@ -212,6 +247,9 @@ def test_numpy_model_of_kernels_is_exact(bits, residual):
             assert np.array_equal(g1, np.asarray(r1)), (dim, search)
             if bits[1]:
                 assert np.array_equal(g2, np.asarray(r2)), (dim, search)
+        if plan.layout == fused.LAYOUT_LANES:
+            g1, g2 = np_encode_lanes(plan, y)
+            assert np.array_equal(g1, np.asarray(r1)) and (not bits[1] or np.array_equal(g2, np.asarray(r2))), dim
         dplan = fused.make_plan(ref, fused.DECODE)
         got = np_decode(dplan, r1, r2)
         want = np.asarray(ref.dequantize(r1, r2))
@@ -229,6 +267,8 @@ def test_plan_shapes():
             assert p.chunk % per1 == 0 and (not b2 or p.chunk % (32 // b2) == 0)
             assert dim % p.vl == 0 and p.chunk % p.vl == 0
             assert p.tabn <= p.tab.size and p.tab.size >= 8
+            lanes = dim % 4 == 0 and 3 not in (b1, b2)
+            assert p.layout == (fused.LAYOUT_LANES if lanes else fused.LAYOUT_CHUNK)
 
 
 # ---- dispatch and fallback -----------------------------------------------------------------------------
@@ -367,20 +407,27 @@ def _tally(name, ok):
     return ok
 
 
+def _parity_text() -> str:
+    lines = [f"{k:32s} {v}" for k, v in sorted(PARITY.items())]
+    total_pass = sum(v for k, v in PARITY.items() if k.endswith(":pass"))
+    total_fail = sum(v for k, v in PARITY.items() if k.endswith(":FAIL"))
+    return "\n".join(["GPU parity comparisons (kernel vs reference, bit-exact):", *lines,
+                      f"total: {total_pass} passed, {total_fail} failed"])
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _parity_report():
     yield
-    if not PARITY:
-        return
-    lines = [f"{k:28s} {v}" for k, v in sorted(PARITY.items())]
-    total_pass = sum(v for k, v in PARITY.items() if k.endswith(":pass"))
-    total_fail = sum(v for k, v in PARITY.items() if k.endswith(":FAIL"))
-    text = "\n".join(["GPU parity comparisons (kernel vs reference, bit-exact):", *lines,
-                      f"total: {total_pass} passed, {total_fail} failed"])
-    print("\n" + text)
+    if PARITY:
+        print("\n" + _parity_text())
+
+
+@pytest.fixture(autouse=True)
+def _parity_progress(request):
+    yield
     out = os.environ.get("RVQ_PARITY_REPORT")
-    if out:
-        Path(out).write_text(text + "\n")
+    if out and PARITY and "gpu" in request.keywords:  # rewritten after every GPU test: survives a timeout
+        Path(out).write_text(_parity_text() + "\n")
 
 
 def _x(n, dim, dtype, seed):
@@ -393,18 +440,20 @@ def _x(n, dim, dtype, seed):
 
 
 def _parity_one(kc, rc, y, tag):
+    """Kernel (through the dispatch) vs the codec's reference path, uncompiled (the same ops as the
+    mx.compile'd ones the codec runs, without a JIT compile per configuration and shape)."""
     got = fused.quantize_pack(kc, y)
     assert got is not None, f"kernel fell back: {fused.disabled()}"
-    ref = rc.quantize(y)
+    ref = rc._quantize_reference(y)
     ok = _tally(f"encode-codes1{tag}", _same(got[0], ref[0]))
     if rc.bits2:
         ok &= _tally(f"encode-codes2{tag}", _same(got[1], ref[1]))
     dec = fused.unpack_dequantize(kc, ref[0], ref[1])
     assert dec is not None, f"kernel fell back: {fused.disabled()}"
-    ok &= _tally(f"decode{tag}", _same(dec, rc.dequantize(ref[0], ref[1])))
+    ok &= _tally(f"decode{tag}", _same(dec, fused._reference_dequantize(rc, ref[0], ref[1])))
     if rc.bits2:
         s1 = fused.unpack_dequantize(kc, ref[0], None)
-        ok &= _tally(f"decode-stage1{tag}", _same(s1, rc.dequantize(ref[0], None)))
+        ok &= _tally(f"decode-stage1{tag}", _same(s1, fused._reference_dequantize(rc, ref[0], None)))
     return ok
 
 
@@ -439,6 +488,18 @@ def test_gpu_parity_odd_layouts(bits, residual):
     flat = mx.concatenate([mx.zeros((1,)), y.reshape(-1)])[1:]  # a view whose data starts 4 bytes in
     ok &= _parity_one(kc, rc, flat.reshape(21, dim), "-offset")
     ok &= _parity_one(kc, rc, mx.swapaxes(y.reshape(3, 7, dim), 0, 1), "-transposed")
+    # the chunk layout (what 3-bit codes use) on a configuration that normally takes the lanes layout
+    for dialect in [fused.gpu_backend()]:
+        for dd in (128, 80):
+            kcd = _codec(dd, bits, residual)
+            yd, _ = kcd.rotate(_x(33, dd, mx.float32, seed=dd))
+            pe, pd = fused.make_plan(kcd, fused.ENCODE), fused.make_plan(kcd, fused.DECODE)
+            g = fused.launch_encode(pe, yd, dialect, layout=fused.LAYOUT_CHUNK)
+            r = kcd._quantize_reference(yd)
+            ok &= _tally("encode-chunk-layout", _same(g[0], r[0]) and (r[1] is None or _same(g[1], r[1])))
+            dch = fused.launch_decode(pd, r[0], r[1], dialect, layout=fused.LAYOUT_CHUNK)
+            ok &= _tally("decode-chunk-layout", _same(dch, fused._reference_dequantize(kcd, r[0], r[1])))
+    # the codec's public API (its compiled reference path) with and without kernels
     x = _x(257, dim, mx.bfloat16, seed=9)
     e1, e2 = kc.encode(x), rc.encode(x)
     ok &= _tally("codec-encode", _same(e1.codes1, e2.codes1) and (e1.codes2 is None or _same(e1.codes2, e2.codes2)))

@@ -63,23 +63,23 @@ def copy_kernel(x: mx.array, dialect: str) -> mx.array:
                         output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
 
 
-def _sync_time(fn) -> float:
+def _sync_time(fn, k: int) -> float:
+    """Seconds per call of ``fn(0) .. fn(k-1)`` issued back to back and evaluated together (k calls
+    amortize the sync and Python overhead so the GPU time shows at small sizes)."""
     mx.synchronize()
     t = time.perf_counter()
-    out = fn()
-    mx.eval(out)
+    mx.eval([fn(j) for j in range(k)])
     mx.synchronize()
-    return time.perf_counter() - t
+    return (time.perf_counter() - t) / k
 
 
 def bench_case(dim, n, bits, residual, rounds, pool, dialect, variants=False, with_ref=True) -> dict:
-    rng = np.random.default_rng(dim * 1000 + n + 17 * bits[0] + bits[1])
+    key = mx.random.key(dim * 1000 + n + 17 * bits[0] + bits[1])
     kc = RVQCodec(dim, bits, seed=1, residual=residual, use_kernels=True)
     rc = RVQCodec(dim, bits, seed=1, residual=residual, use_kernels=False)
     ys = []
-    for _ in range(pool):
-        x = mx.array(rng.standard_normal((n, dim)).astype(np.float32))
-        ys.append(kc.rotate(x)[0])
+    for k in mx.random.split(key, pool):
+        ys.append(kc.rotate(mx.random.normal((n, dim), key=k))[0])  # distinct inputs, drawn on the device
     mx.eval(ys)
     codes = [rc.quantize(y) for y in ys]
     mx.eval(codes)
@@ -94,19 +94,24 @@ def bench_case(dim, n, bits, residual, rounds, pool, dialect, variants=False, wi
     if with_ref:
         arms["enc_ref"] = lambda i: rc.quantize(ys[i])
         arms["dec_ref"] = lambda i: rc.dequantize(codes[i][0], c2_of(codes[i]))
-    if variants:  # the encode search strategies and block sizes, side by side
-        for s, sname in ((fused.SEARCH_BINARY, "binary"), (fused.SEARCH_LINEAR, "linear")):
-            for tpg in (128, 256, 512):
-                arms[f"enc_{sname}_t{tpg}"] = (lambda i, s=s, t=tpg: fused.launch_encode(
-                    plan_e, ys[i], dialect, search=s, threads_per_group=t))
+    if variants:  # layouts, search strategies and block sizes, side by side
         plan_d = fused.make_plan(kc, fused.DECODE)
-        for tpg in (128, 512):
-            arms[f"dec_t{tpg}"] = (lambda i, t=tpg: fused.launch_decode(plan_d, codes[i][0], codes[i][1], dialect,
-                                                                        threads_per_group=t))
+        layouts = [(fused.LAYOUT_CHUNK, "chunk")] + ([(fused.LAYOUT_LANES, "lanes")]
+                                                     if plan_e.layout == fused.LAYOUT_LANES else [])
+        for lay, lname in layouts:
+            for s, sname in ((fused.SEARCH_BINARY, "binary"), (fused.SEARCH_LINEAR, "linear")):
+                for tpg in ((128, 256, 512) if s == fused.SEARCH_BINARY else (256,)):
+                    arms[f"enc_{lname}_{sname}_t{tpg}"] = (lambda i, s=s, t=tpg, lay=lay: fused.launch_encode(
+                        plan_e, ys[i], dialect, search=s, layout=lay, threads_per_group=t))
+            for tpg in (128, 256, 512):
+                arms[f"dec_{lname}_t{tpg}"] = (lambda i, t=tpg, lay=lay: fused.launch_decode(
+                    plan_d, codes[i][0], codes[i][1], dialect, layout=lay, threads_per_group=t))
     # warm-up: compiles, first-use checks; and a parity spot check on this very data
+    t0 = time.perf_counter()
     for name, fn in arms.items():
         for i in range(min(pool, 2)):
             mx.eval(fn(i))
+    warm_s = time.perf_counter() - t0
     got, ref = kc.quantize(ys[0]), codes[0]
     same_enc = fused._same(got[0], ref[0]) and (ref[1] is None or fused._same(got[1], ref[1]))
     same_dec = fused._same(kc.dequantize(*ref), rc.dequantize(*ref))
@@ -114,10 +119,12 @@ def bench_case(dim, n, bits, residual, rounds, pool, dialect, variants=False, wi
         raise RuntimeError(f"kernel latched off: {fused.disabled()}")
     times = {k: [] for k in arms}
     order = list(arms)
+    # calls per sample: ~8 GB of traffic per sample, so launch and sync overhead stay small
+    calls = int(min(64, max(1, round(8e9 / (2 * n * dim * 4)))))
     for r in range(rounds):
         for a, k in enumerate(order if r % 2 == 0 else order[::-1]):  # interleaved, alternating order
-            # each arm walks the pool, and neighbouring arms read different inputs (no L2 reuse)
-            times[k].append(_sync_time(lambda: arms[k]((r + a) % pool)))
+            # each arm walks the pool, and neighbouring calls read different inputs (no L2 reuse)
+            times[k].append(_sync_time(lambda j: arms[k]((r + a + j) % pool), calls))
     med = {k: statistics.median(v) for k, v in times.items()}
     w = kc.words1 + kc.words2
     ybytes = n * dim * 4
@@ -126,11 +133,12 @@ def bench_case(dim, n, bits, residual, rounds, pool, dialect, variants=False, wi
     ceiling = max(gbps["copy_kernel"], gbps["copy_mlx"])
     res = {
         "dim": dim, "n": n, "bits": list(bits), "residual": kc.residual, "rounds": rounds, "pool": pool,
+        "calls_per_sample": calls, "layout": "lanes" if plan_e.layout == fused.LAYOUT_LANES else "chunk",
         "bytes": moved, "median_ms": {k: v * 1e3 for k, v in med.items()},
         "spread_ms": {k: [min(v) * 1e3, max(v) * 1e3] for k, v in times.items()},
         "gbps": gbps, "copy_ceiling_gbps": ceiling,
         "frac_of_copy": {k: gbps[k] / ceiling for k in gbps},
-        "parity_spot_check": {"encode": same_enc, "decode": same_dec},
+        "parity_spot_check": {"encode": same_enc, "decode": same_dec}, "warmup_s": warm_s,
     }
     if with_ref:
         res["speedup"] = {"enc": med["enc_ref"] / med["enc_fused"], "dec": med["dec_ref"] / med["dec_fused"]}
