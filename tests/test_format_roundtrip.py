@@ -342,3 +342,17 @@ def test_errors_are_rvq_errors_and_name_the_file(tmp_path):
     assert isinstance(ei.value, F.BadMagicError) and str(ei.value).startswith(str(p))
     for name in F.errors.__all__:
         assert issubclass(getattr(F.errors, name), RVQError)
+
+
+def test_codec_from_file(cache_file, tmp_path):
+    p, header, secs, codec = cache_file
+    with F.open_rvq(p) as f:
+        c = f.codec(use_kernels=False)
+        assert (c.dim, c.bits, c.seed, c.residual) == (codec.dim, codec.bits, codec.seed, codec.residual)
+        assert np.array_equal(c.signs, codec.signs)
+    other = dict(header, quantizer={"name": "someone-elses-vq", "version": 3})
+    F.write_rvq(tmp_path / "o.rvq", other, secs)
+    with F.open_rvq(tmp_path / "o.rvq") as f:
+        f.verify(decode=decode_layers)  # the container is readable; codes are not decoded
+        with pytest.raises(F.UnknownFeatureError, match="someone-elses-vq"):
+            f.codec()

@@ -295,7 +295,7 @@ def parse_header(
     file_length: int,
     quantizer_check: QuantizerCheck | None = None,
 ) -> Header:
-    """Validate a decoded header (steps H1..H8 of the spec) and return its typed form."""
+    """Validate a decoded header (steps H1..H8 of the spec, section 13) and return its typed form."""
     # H1: version echo
     fv = _need(path, "header", obj, "format_version")
     if type(fv) is not list or len(fv) != 2 or not all(_is_int(x) for x in fv):

@@ -1,4 +1,4 @@
-"""The 64-byte preamble: packing, and validation steps P1..P8 of the spec."""
+"""The 64-byte preamble: packing, and validation steps P1..P9 of the spec (section 13)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _magic_hint(head: bytes) -> str:
 def parse_preamble(head: bytes, actual_length: int, path=None) -> Preamble:
     """Validate the preamble. ``head`` is the file's first min(64, size) bytes; ``actual_length`` its size."""
     n = len(head)
-    # P1: magic, with the special case of a file shorter than the magic
+    # P1, P2: magic, with the special case of a file shorter than the magic
     if n < len(C.MAGIC):
         if C.MAGIC.startswith(head):
             raise TruncatedFileError(path, f"file is {actual_length} bytes, too short for the {C.PREAMBLE_SIZE}-byte preamble")
@@ -64,33 +64,33 @@ def parse_preamble(head: bytes, actual_length: int, path=None) -> Preamble:
     if head[:8] != C.MAGIC:
         raise BadMagicError(path, f"not an .rvq file: bad signature {head[:8].hex()} "
                                   f"(expected {C.MAGIC.hex()}){_magic_hint(head)}")
-    # P2: major version (bytes 8..9 keep this meaning in every version of the format)
+    # P3: major version (bytes 8..9 keep this meaning in every version of the format)
     if n < 10:
         raise TruncatedFileError(path, f"file is {actual_length} bytes, too short for the {C.PREAMBLE_SIZE}-byte preamble")
     major = int.from_bytes(head[8:10], "little")
     if major != C.FORMAT_MAJOR:
         raise UnsupportedVersionError(path, f"format major version {major} is not supported (this reader reads "
                                             f"version {C.FORMAT_MAJOR}.x)")
-    # P3: the whole preamble
+    # P4: the whole preamble
     if n < C.PREAMBLE_SIZE:
         raise TruncatedFileError(path, f"file is {actual_length} bytes, too short for the {C.PREAMBLE_SIZE}-byte preamble")
     (_, major, minor, flags, h_off, h_len, h_ck, f_len, reserved, p_ck) = C.PREAMBLE_STRUCT.unpack(head[: C.PREAMBLE_SIZE])
-    # P4: preamble checksum
+    # P5: preamble checksum
     got = checksum(head[: C.PREAMBLE_CHECKED])
     if got != p_ck:
         raise ChecksumMismatchError(path, f"preamble checksum mismatch (stored {p_ck:#018x}, computed {got:#018x})")
-    # P5: flags
+    # P6: flags
     unknown = flags & ~C.KNOWN_FLAGS
     if unknown:
         raise UnknownFeatureError(path, f"preamble sets flag bits {unknown:#010x} that this reader does not implement")
-    # P6: file length against the bytes present
+    # P7: file length against the bytes present
     if f_len > C.MAX_FILE_LENGTH:
         raise LimitExceededError(path, f"declared file length {f_len} exceeds the limit {C.MAX_FILE_LENGTH}")
     if actual_length < f_len:
         raise TruncatedFileError(path, f"file is truncated: {actual_length} bytes present, {f_len} declared")
     if actual_length > f_len:
         raise TrailingDataError(path, f"{actual_length - f_len} unexpected bytes after the declared end of file at {f_len}")
-    # P7: header extent
+    # P8: header extent
     if h_len > C.MAX_HEADER_LENGTH:
         raise LimitExceededError(path, f"header length {h_len} exceeds the limit {C.MAX_HEADER_LENGTH}")
     if h_len == 0:
@@ -105,7 +105,7 @@ def parse_preamble(head: bytes, actual_length: int, path=None) -> Preamble:
 
 
 def check_header_checksum(pre: Preamble, header_bytes, path=None) -> None:
-    """P8: the header bytes against the preamble's header checksum."""
+    """P9: the header bytes against the preamble's header checksum."""
     got = checksum(header_bytes)
     if got != pre.header_checksum:
         raise ChecksumMismatchError(path, f"header checksum mismatch (stored {pre.header_checksum:#018x}, "

@@ -174,13 +174,9 @@ def decode_layers(f, *, chunk_tokens: int = 4096, progress=None) -> int:
         return 0
     import mlx.core as mx
 
-    from ..codec import EncodedVectors, RVQCodec
-    from ..errors import RVQError
+    from ..codec import EncodedVectors
 
-    try:
-        codec = RVQCodec.from_header(q, use_kernels=False)
-    except RVQError as e:
-        raise MalformedHeaderError(f.path, f"header.quantizer: {e}") from None
+    codec = f.codec(use_kernels=False)
     dtypes = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
     n = 0
     for layer in f.layers:

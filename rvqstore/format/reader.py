@@ -22,9 +22,11 @@ from .errors import (
     ChecksumMismatchError,
     FormatError,
     LayoutError,
+    MalformedHeaderError,
     MalformedSectionError,
     SectionNotFoundError,
     TruncatedFileError,
+    UnknownFeatureError,
 )
 from .header import Header, LayerInfo, QuantizerCheck, SectionInfo, decode_header, parse_header
 from .quantizer import check_quantizer
@@ -199,6 +201,27 @@ class RVQFile:
             if s.kind == C.KIND_TOKENS:
                 return self.read_section(s.name)
         return None
+
+    def codec(self, *, use_kernels: bool = True):
+        """The :class:`rvqstore.codec.RVQCodec` described by the header (tables and signs from the file).
+
+        Raises :class:`UnknownFeatureError` when the file has no quantizer or one this library does not
+        implement, and :class:`MalformedHeaderError` when the codec refuses the map.
+        """
+        from .quantizer import QUANTIZER_NAME
+
+        q = self.quantizer
+        if q is None or q.get("name") != QUANTIZER_NAME:
+            name = None if q is None else q.get("name")
+            raise UnknownFeatureError(self.path, f"quantizer {name!r} cannot be decoded by this library "
+                                                 f"(it implements {QUANTIZER_NAME!r})")
+        from ..codec import RVQCodec
+        from ..errors import RVQError
+
+        try:
+            return RVQCodec.from_header(q, use_kernels=use_kernels)
+        except RVQError as e:
+            raise MalformedHeaderError(self.path, f"header.quantizer: {e}") from None
 
     def verify(self, *, decode: Callable[["RVQFile"], None] | None = None,
                progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
