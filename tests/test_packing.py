@@ -78,3 +78,17 @@ def test_bad_arguments():
         unpack_codes(mx.zeros((2, 3), mx.uint32), 2, 64)  # 64 two-bit codes need 4 words
     with pytest.raises(InputShapeError):
         pack_codes(mx.array(3, dtype=mx.uint8), 2)
+
+
+def test_spec_packing_example_matches_code():
+    import re
+    from pathlib import Path
+
+    spec = (Path(__file__).resolve().parents[1] / "format_spec" / "rvq-v1.md").read_text(encoding="utf-8")
+    m = re.search(r"Example \(b = (\d), p = \d+, dim = (\d+)\): codes\s+`\[([\d, ]+)\]` are the words\s+`([^`]+)`", spec)
+    assert m, "packing example not found in the spec"
+    bits, dim = int(m.group(1)), int(m.group(2))
+    codes = [int(v) for v in m.group(3).replace(" ", "").split(",")]
+    words = [int(w.strip(), 16) for w in m.group(4).split(",")]
+    assert len(codes) == dim
+    assert [int(v) for v in pack_codes(mx.array(codes, dtype=mx.uint8), bits)] == words
