@@ -266,3 +266,13 @@ def test_reexec_loads_openblas():
     env["PYTHONPATH"] = str(REPO)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+@needs_model
+@pytest.mark.model
+def test_fingerprint_same_for_dense_and_quantized_loads(loaded):
+    model, tok = loaded
+    quantized, _ = rm.load_model(quantized=True)
+    assert rm.model_fingerprint(model, tok) == rm.model_fingerprint(quantized, tok)
+    no_vocab = rm.model_fingerprint(model, None)
+    assert "vocab_sha256" not in no_vocab and no_vocab["weights_sha256"] == rm.model_fingerprint(model, tok)["weights_sha256"]
