@@ -185,7 +185,8 @@ class Plan:
     chunk: int  # coordinates holding whole words of both streams (= per thread in the chunk layout)
     vl: int  # vector width of the float loads/stores (chunk layout)
     search: int
-    layout: int  # LAYOUT_LANES where the codes allow it (1/2/4 bits, dim % 4 == 0), else LAYOUT_CHUNK
+    layout: int  # the default layout (see make_plan)
+    lanes_ok: bool  # the lanes layout can run this configuration (1/2/4-bit codes, dim % 4 == 0)
     tab: mx.array
     tabn: int
     words1: int
@@ -283,8 +284,11 @@ def make_plan(codec, kind: str, stage1_only: bool = False) -> Plan | str:
     tab, tabn = _table(parts)
     chunk = _chunk(b1, b2)
     lanes = codec.dim % 4 == 0 and b1 in (1, 2, 4) and b2 in (0, 1, 2, 4)
+    # measured on the H200 (tools/results/kernels-notes.md): encode is fastest with a thread per chunk
+    # (whole words, 16-byte loads), decode with a thread per float4 (fully coalesced 16-byte stores)
+    layout = LAYOUT_LANES if (lanes and kind == DECODE) else LAYOUT_CHUNK
     return Plan(kind, codec.dim, b1, b2, mode, chunk, _vector_width(codec.dim, chunk), search,
-                LAYOUT_LANES if lanes else LAYOUT_CHUNK, tab, tabn, codec.words1, codec.words2 if b2 else 0)
+                layout, lanes, tab, tabn, codec.words1, codec.words2 if b2 else 0)
 
 
 def _plan(codec, kind: str, stage1_only: bool) -> Plan | str:
@@ -319,7 +323,7 @@ def launch_encode(plan: Plan, y2d: mx.array, dialect: str, *, search: int | None
                   ) -> tuple[mx.array, mx.array | None]:
     """Run the encode kernel on ``y2d`` (float32, ``(N, dim)``): packed ``(codes1, codes2)``."""
     n = int(y2d.shape[0])
-    if layout == LAYOUT_LANES and plan.layout != LAYOUT_LANES:
+    if layout == LAYOUT_LANES and not plan.lanes_ok:
         raise ValueError("this configuration has no lanes layout")
     params, threads = _params(plan, n, layout)
     two = plan.bits2 > 0
@@ -335,7 +339,7 @@ def launch_decode(plan: Plan, codes1: mx.array, codes2: mx.array | None, dialect
                   layout: int | None = None, threads_per_group: int | None = None) -> mx.array:
     """Run the decode kernel: ``y_hat`` (float32, ``(N, dim)``) from ``(N, words)`` codes."""
     n = int(codes1.shape[0])
-    if layout == LAYOUT_LANES and plan.layout != LAYOUT_LANES:
+    if layout == LAYOUT_LANES and not plan.lanes_ok:
         raise ValueError("this configuration has no lanes layout")
     params, threads = _params(plan, n, layout)
     two = plan.bits2 > 0
@@ -381,6 +385,12 @@ def boundary_probe(codec, rows: int | None = None, seed: int = 0) -> np.ndarray:
 
 
 def _same(a: mx.array, b: mx.array) -> bool:
+    """Bit-identical (same shape and dtype; floats compared by their bits, so NaN == NaN)."""
+    if isinstance(a, mx.array) and isinstance(b, mx.array):
+        if a.dtype != b.dtype:
+            return False
+        if a.dtype in (mx.bfloat16, mx.float16):  # NumPy has no bfloat16: compare the bits
+            a, b = a.view(mx.uint16), b.view(mx.uint16)
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape or a.dtype != b.dtype:
         return False

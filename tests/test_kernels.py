@@ -188,6 +188,7 @@ def np_encode_lanes(plan, y):
     y = np.asarray(y, np.float32)
     n, d = y.shape
     tpv = plan.threads_per_vector(fused.LAYOUT_LANES)
+    assert plan.lanes_ok
     assert 32 % (plan.chunk // 4) == 0 and tpv % (plan.chunk // 4) == 0
     i1, i2 = _np_quantize(plan, y, plan.search)
     gid = np.arange(n * tpv + 37)  # a ragged grid tail, as CUDA launches whole blocks
@@ -247,7 +248,7 @@ def test_numpy_model_of_kernels_is_exact(bits, residual):
             assert np.array_equal(g1, np.asarray(r1)), (dim, search)
             if bits[1]:
                 assert np.array_equal(g2, np.asarray(r2)), (dim, search)
-        if plan.layout == fused.LAYOUT_LANES:
+        if plan.lanes_ok:
             g1, g2 = np_encode_lanes(plan, y)
             assert np.array_equal(g1, np.asarray(r1)) and (not bits[1] or np.array_equal(g2, np.asarray(r2))), dim
         dplan = fused.make_plan(ref, fused.DECODE)
@@ -268,7 +269,9 @@ def test_plan_shapes():
             assert dim % p.vl == 0 and p.chunk % p.vl == 0
             assert p.tabn <= p.tab.size and p.tab.size >= 8
             lanes = dim % 4 == 0 and 3 not in (b1, b2)
-            assert p.layout == (fused.LAYOUT_LANES if lanes else fused.LAYOUT_CHUNK)
+            assert p.lanes_ok == lanes and p.layout == fused.LAYOUT_CHUNK
+            d = fused.make_plan(_codec(dim, (b1, b2), residual, use_kernels=False), fused.DECODE)
+            assert d.layout == (fused.LAYOUT_LANES if lanes else fused.LAYOUT_CHUNK)
 
 
 # ---- dispatch and fallback -----------------------------------------------------------------------------
@@ -488,21 +491,23 @@ def test_gpu_parity_odd_layouts(bits, residual):
     flat = mx.concatenate([mx.zeros((1,)), y.reshape(-1)])[1:]  # a view whose data starts 4 bytes in
     ok &= _parity_one(kc, rc, flat.reshape(21, dim), "-offset")
     ok &= _parity_one(kc, rc, mx.swapaxes(y.reshape(3, 7, dim), 0, 1), "-transposed")
-    # the chunk layout (what 3-bit codes use) on a configuration that normally takes the lanes layout
-    for dialect in [fused.gpu_backend()]:
-        for dd in (128, 80):
-            kcd = _codec(dd, bits, residual)
-            yd, _ = kcd.rotate(_x(33, dd, mx.float32, seed=dd))
-            pe, pd = fused.make_plan(kcd, fused.ENCODE), fused.make_plan(kcd, fused.DECODE)
-            g = fused.launch_encode(pe, yd, dialect, layout=fused.LAYOUT_CHUNK)
-            r = kcd._quantize_reference(yd)
-            ok &= _tally("encode-chunk-layout", _same(g[0], r[0]) and (r[1] is None or _same(g[1], r[1])))
-            dch = fused.launch_decode(pd, r[0], r[1], dialect, layout=fused.LAYOUT_CHUNK)
-            ok &= _tally("decode-chunk-layout", _same(dch, fused._reference_dequantize(kcd, r[0], r[1])))
+    # the non-default layouts (encode: lanes; decode: chunk, what 3-bit codes use), where they apply
+    dialect = fused.gpu_backend()
+    for dd in (128, 80):
+        kcd = _codec(dd, bits, residual)
+        yd, _ = kcd.rotate(_x(33, dd, mx.float32, seed=dd))
+        pe, pd = fused.make_plan(kcd, fused.ENCODE), fused.make_plan(kcd, fused.DECODE)
+        r = kcd._quantize_reference(yd)
+        if pe.lanes_ok:
+            g = fused.launch_encode(pe, yd, dialect, layout=fused.LAYOUT_LANES)
+            ok &= _tally("encode-lanes-layout", _same(g[0], r[0]) and (r[1] is None or _same(g[1], r[1])))
+        dch = fused.launch_decode(pd, r[0], r[1], dialect, layout=fused.LAYOUT_CHUNK)
+        ok &= _tally("decode-chunk-layout", _same(dch, fused._reference_dequantize(kcd, r[0], r[1])))
     # the codec's public API (its compiled reference path) with and without kernels
     x = _x(257, dim, mx.bfloat16, seed=9)
     e1, e2 = kc.encode(x), rc.encode(x)
     ok &= _tally("codec-encode", _same(e1.codes1, e2.codes1) and (e1.codes2 is None or _same(e1.codes2, e2.codes2)))
-    ok &= _tally("codec-decode", _same(kc.decode(e1), rc.decode(e2)))
+    ok &= _tally("codec-decode", _same(kc.decode(e1), rc.decode(e2))
+                  and _same(kc.decode(e1, dtype=mx.float32), rc.decode(e2, dtype=mx.float32)))
     assert ok
     assert not fused.disabled()
