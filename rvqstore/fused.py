@@ -26,6 +26,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +59,7 @@ _plans: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 # ---- backend -------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
 def gpu_backend() -> str | None:
     """``"metal"``, ``"cuda"`` or None: the GPU backend of this MLX build, if it has a usable one."""
     try:

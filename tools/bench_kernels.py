@@ -138,7 +138,6 @@ def bench_case(dim, n, bits, residual, rounds, pool, dialect, variants=False, wi
     moved = {"copy": 2 * ybytes, "enc": ybytes + n * w * 4, "dec": ybytes + n * w * 4}
     gbps = {k: moved[k.split("_")[0]] / med[k] / 1e9 for k in med if med[k] > 0}
     ceiling = max(gbps["copy_kernel"], gbps["copy_mlx"])
-    med["dec_ref_min"] = min(med["dec_ref"], med["dec_refunfused"]) if with_ref else 0.0
     res = {
         "dim": dim, "n": n, "bits": list(bits), "residual": kc.residual, "rounds": rounds, "pool": pool,
         "calls_per_sample": calls, "layout": "lanes" if plan_e.layout == fused.LAYOUT_LANES else "chunk",
