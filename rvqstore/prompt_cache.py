@@ -10,6 +10,7 @@ caches trimmed to it, with the tokens still to compute.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -32,6 +33,46 @@ class ModelMismatchError(RVQError, ValueError):
 
 class NoTokensError(RVQError, ValueError):
     """A snapshot without token ids cannot be resumed by prefix."""
+
+
+# id(model) -> (weakref to the model, weakrefs to its parameter arrays and to the tokenizer,
+# fingerprint). model_fingerprint hashes every weight (0.3-0.6 s for SmolLM2-135M on a 2-core CPU,
+# more than the whole resume of a 4096-token snapshot), which would otherwise be paid again on every
+# save, load and resume. (Keyed by id: mlx modules are dicts, hence not hashable.)
+_FP_MEMO: dict[int, tuple] = {}
+
+
+def _fingerprint(model: Any, tokenizer: Any) -> dict:
+    """``model_fingerprint(model, tokenizer)``, computed once per model while its parameters stay the same.
+
+    The memo is reused only while ``model`` holds the very same parameter array objects (names and
+    identities) and the same tokenizer object. Replacing weights by any mlx API (``load_weights``,
+    ``update``, ``set_dtype``, quantizing, assigning a new array to an attribute) makes new arrays, so
+    the next call hashes again; only in-place item assignment into a parameter (``w[0] = x``) keeps
+    the object and goes unnoticed.
+    """
+    from mlx.utils import tree_flatten
+
+    from .model import model_fingerprint
+
+    params = tree_flatten(model.parameters())
+    hit = _FP_MEMO.get(id(model))
+    if hit is not None:
+        model_ref, refs, tok_ref, fp = hit
+        if (model_ref() is model and len(refs) == len(params)
+                and (tok_ref() if tok_ref is not None else None) is tokenizer
+                and all(n == rn and r() is a for (n, a), (rn, r) in zip(params, refs))):
+            return dict(fp)
+    fp = model_fingerprint(model, tokenizer)
+    try:
+        key = id(model)
+        model_ref = weakref.ref(model, lambda _, key=key: _FP_MEMO.pop(key, None))
+        refs = [(n, weakref.ref(a)) for n, a in params]
+        tok_ref = None if tokenizer is None else weakref.ref(tokenizer)
+    except TypeError:  # something not weak-referenceable: no memo
+        return fp
+    _FP_MEMO[key] = (model_ref, refs, tok_ref, dict(fp))
+    return fp
 
 
 def _dtype_name(dt: mx.Dtype) -> str:
@@ -94,9 +135,7 @@ def save_prompt_cache(path: str | os.PathLike, cache: Sequence[Any], *, tokens: 
     fingerprint = None
     if model is not None:
         _model_geometry_check(caches, model)
-        from .model import model_fingerprint
-
-        fingerprint = model_fingerprint(model, tokenizer)
+        fingerprint = _fingerprint(model, tokenizer)
 
     codec = first._keys.codec
     layers, sections = [], []
@@ -131,9 +170,7 @@ def check_model(file_fp: dict | None, model: Any, tokenizer: Any = None, *, path
     """Raise ModelMismatchError if the snapshot's fingerprint differs from ``model``'s (and tokenizer's)."""
     if file_fp is None:
         return
-    from .model import model_fingerprint
-
-    mine = model_fingerprint(model, tokenizer)  # without a tokenizer: no vocab hash to compare
+    mine = _fingerprint(model, tokenizer)  # without a tokenizer: no vocab hash to compare
     diff = [k for k in file_fp if k not in _FP_IGNORED and k in mine and file_fp[k] != mine[k]]
     if diff:
         detail = ", ".join(f"{k}: file {file_fp[k]!r} vs model {mine[k]!r}" for k in diff[:4])
