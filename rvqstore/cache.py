@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .codec import RVQCodec
+from .codec import EncodedVectors, RVQCodec
 from .errors import CodecConfigError, InputShapeError
 
 MODES = ("packed", "resident")
@@ -55,8 +55,10 @@ class _Stream:
             self.codes2 = grow(self.codes2, (c.words2,), mx.uint32)
 
     def append(self, x: mx.array) -> None:
-        enc = self.codec.encode(x, check_finite=False)
-        lead, t = tuple(x.shape[:2]), x.shape[2]
+        self.append_encoded(self.codec.encode(x, check_finite=False))
+
+    def append_encoded(self, enc) -> None:
+        lead, t = tuple(enc.scales.shape[:2]), enc.scales.shape[2]
         self._grow(lead, self.n + t)
         end = self.n + t
         self.scales[..., self.n:end] = enc.scales
@@ -74,12 +76,12 @@ class _Stream:
         return (self.scales[..., :n], self.codes1[..., :n, :],
                 None if self.codes2 is None else self.codes2[..., :n, :])
 
-    def decode(self, start: int, end: int, dtype: mx.Dtype) -> mx.array:
-        from .codec import EncodedVectors
+    def encoded(self, start: int, end: int, dtype: mx.Dtype) -> EncodedVectors:
+        return EncodedVectors(self.scales[..., start:end], self.codes1[..., start:end, :],
+                              None if self.codes2 is None else self.codes2[..., start:end, :], dtype)
 
-        enc = EncodedVectors(self.scales[..., start:end], self.codes1[..., start:end, :],
-                             None if self.codes2 is None else self.codes2[..., start:end, :], dtype)
-        return self.codec.decode(enc)
+    def decode(self, start: int, end: int, dtype: mx.Dtype) -> mx.array:
+        return self.codec.decode(self.encoded(start, end, dtype))
 
     @property
     def nbytes(self) -> int:
@@ -163,15 +165,13 @@ class RVQKVCache:
         t = keys.shape[2]
         start_coded = self.n_coded
         if self.dense_window == 0:
-            self._keys.append(keys)
-            self._values.append(values)
+            self._append(keys, values)
         else:
             dk = keys if self._dense_k is None else mx.concatenate([self._dense_k, keys], axis=2)
             dv = values if self._dense_v is None else mx.concatenate([self._dense_v, values], axis=2)
             flush = self._target_coded(self.offset + t) - start_coded
             if flush > 0:
-                self._keys.append(dk[:, :, :flush])
-                self._values.append(dv[:, :, :flush])
+                self._append(dk[:, :, :flush], dv[:, :, :flush])
                 dk, dv = dk[:, :, flush:], dv[:, :, flush:]
             self._dense_k, self._dense_v = dk, dv
         self.offset += t
@@ -179,13 +179,37 @@ class RVQKVCache:
             self._extend_resident(start_coded)
         return self._fetch()
 
+    def _joint(self) -> bool:
+        """Keys and values share a head dim: encode/decode them in one codec call (half the dispatches)."""
+        return self.geometry[2] == self.geometry[3]
+
+    def _append(self, keys: mx.array, values: mx.array) -> None:
+        if not self._joint():
+            self._keys.append(keys)
+            self._values.append(values)
+            return
+        b = keys.shape[0]
+        enc = self._keys.codec.encode(mx.concatenate([keys, values.astype(keys.dtype)], axis=0), check_finite=False)
+        for stream, sl in ((self._keys, slice(0, b)), (self._values, slice(b, 2 * b))):
+            stream.append_encoded(EncodedVectors(enc.scales[sl], enc.codes1[sl],
+                                                 None if enc.codes2 is None else enc.codes2[sl], enc.dtype))
+
+    def _decode_range(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        if not self._joint():
+            return self._keys.decode(start, end, self.dtype), self._values.decode(start, end, self.dtype)
+        ek, ev = self._keys.encoded(start, end, self.dtype), self._values.encoded(start, end, self.dtype)
+        both = self._keys.codec.decode(EncodedVectors(
+            mx.concatenate([ek.scales, ev.scales]), mx.concatenate([ek.codes1, ev.codes1]),
+            None if ek.codes2 is None else mx.concatenate([ek.codes2, ev.codes2]), self.dtype))
+        b = ek.scales.shape[0]
+        return both[:b], both[b:]
+
     def _extend_resident(self, start: int) -> None:
         """Decode tokens [start, n_coded) into the resident buffers (grown in steps, like KVCache)."""
         end = self.n_coded
         if end <= start:
             return
-        nk = self._keys.decode(start, end, self.dtype)
-        nv = self._values.decode(start, end, self.dtype)
+        nk, nv = self._decode_range(start, end)
         cap = 0 if self._res_k is None else self._res_k.shape[2]
         if end > cap:
             new_cap = -(-end // _Stream.step) * _Stream.step
@@ -203,7 +227,7 @@ class RVQKVCache:
         if self.mode == "resident" and n:
             k, v = self._res_k[:, :, :n], self._res_v[:, :, :n]
         elif n:
-            k, v = self._keys.decode(0, n, self.dtype), self._values.decode(0, n, self.dtype)
+            k, v = self._decode_range(0, n)
         else:
             k = v = None
         if self.n_dense:
