@@ -2,8 +2,8 @@
 
 Main entry points::
 
-    RVQCodec(dim, bits=(2, 2))                 # encode/decode vectors of one head
-    make_prompt_cache(model, bits=(2, 2))       # mlx-lm compatible caches holding packed codes
+    RVQCodec(dim, bits=(4, 2))                 # encode/decode vectors of one head (DEFAULT_BITS)
+    make_prompt_cache(model, bits=(4, 2))       # mlx-lm compatible caches holding packed codes
     save_prompt_cache(path, cache, tokens=..., model=...)
     load_prompt_cache(path, model=...)          # bit-exact reload, refuses another model's file
     resume(path, prompt_tokens, model)          # reuse the longest cached prefix
@@ -11,7 +11,7 @@ Main entry points::
 """
 
 from .cache import RVQKVCache
-from .codec import EncodedVectors, RVQCodec
+from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec
 from .compat import UnsupportedCacheError
 from .errors import CodecConfigError, InputShapeError, NonFiniteInputError, RVQError
 from .format import FormatError
@@ -31,7 +31,7 @@ from .prompt_cache import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "RVQCodec", "EncodedVectors", "pack_codes", "unpack_codes",
+    "RVQCodec", "EncodedVectors", "DEFAULT_BITS", "pack_codes", "unpack_codes",
     "RVQKVCache", "make_prompt_cache", "convert_prompt_cache",
     "save_prompt_cache", "load_prompt_cache", "resume", "ResumeResult", "open",
     "RVQError", "CodecConfigError", "InputShapeError", "NonFiniteInputError", "FormatError",

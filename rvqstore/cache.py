@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .codec import EncodedVectors, RVQCodec
+from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec
 from .errors import CodecConfigError, InputShapeError
 
 MODES = ("packed", "resident")
@@ -29,8 +29,9 @@ class _Stream:
 
     step = 256
 
-    def __init__(self, codec: RVQCodec):
+    def __init__(self, codec: RVQCodec, lead: tuple[int, int]):
         self.codec = codec
+        self.lead = lead  # (B, H)
         self.scales: mx.array | None = None
         self.codes1: mx.array | None = None
         self.codes2: mx.array | None = None
@@ -72,6 +73,9 @@ class _Stream:
         self.n = scales.shape[-1]
 
     def used(self) -> tuple[mx.array, mx.array, mx.array | None]:
+        if self.scales is None:  # nothing coded yet (e.g. all tokens still in the dense window)
+            return (mx.zeros(self.lead + (0,), mx.bfloat16), mx.zeros(self.lead + (0, self.codec.words1), mx.uint32),
+                    mx.zeros(self.lead + (0, self.codec.words2), mx.uint32) if self.codec.bits2 else None)
         n = self.n
         return (self.scales[..., :n], self.codes1[..., :n, :],
                 None if self.codes2 is None else self.codes2[..., :n, :])
@@ -103,7 +107,7 @@ class RVQKVCache:
         use_kernels: use the fused GPU kernels where available.
     """
 
-    def __init__(self, bits: tuple[int, int] | int = (2, 2), seed: int = 0, residual: str = "conditional", *,
+    def __init__(self, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0, residual: str = "conditional", *,
                  mode: str = "packed", dense_window: int = 0, flush_block: int = 64, use_kernels: bool = True):
         if mode not in MODES:
             raise CodecConfigError(f"mode must be one of {MODES}, got {mode!r}")
@@ -149,7 +153,7 @@ class RVQKVCache:
         if self.geometry is None:
             self.geometry = geo
             self.dtype = keys.dtype
-            self._keys, self._values = _Stream(self._codec(dk)), _Stream(self._codec(geo[3]))
+            self._keys, self._values = _Stream(self._codec(dk), (b, h)), _Stream(self._codec(geo[3]), (b, h))
         elif geo != self.geometry:
             raise InputShapeError(f"this cache holds (B, heads, Dk, Dv) = {self.geometry}, got {geo}")
 
@@ -326,8 +330,8 @@ class RVQKVCache:
         b, h, n = ks.shape
         c.geometry = (b, h, head_dims[0], head_dims[1])
         c.dtype = dtype
-        c._keys = _Stream(key_codec or c._codec(head_dims[0]))
-        c._values = _Stream(value_codec or c._codec(head_dims[1]))
+        c._keys = _Stream(key_codec or c._codec(head_dims[0]), (b, h))
+        c._values = _Stream(value_codec or c._codec(head_dims[1]), (b, h))
         c._keys.set_packed(*keys)
         c._values.set_packed(*values)
         nd = 0

@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 from .cli import CLIError, subcommand
+from .codec import DEFAULT_BITS
 
 
 def _parse_bits(text: str) -> tuple[int, int]:
@@ -29,7 +30,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _codec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bits", type=_parse_bits, default=(2, 2), help="bits per stage, e.g. 2+2 (default) or 4")
+    p.add_argument("--bits", type=_parse_bits, default=DEFAULT_BITS,
+                   help="bits per stage: 4+2 (default; see docs/quality.md), 2+2 (compact, ~4x smaller than fp16), 4+4 ...")
     p.add_argument("--residual", choices=("conditional", "shared"), default="conditional")
     p.add_argument("--seed", type=int, default=0, help="rotation seed")
     p.add_argument("--dense-window", type=int, default=0, help="recent tokens kept in full precision")

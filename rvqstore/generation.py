@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
+from .codec import DEFAULT_BITS
 from .prompt_cache import make_prompt_cache, save_prompt_cache
 
 ProgressFn = Callable[[int, "int | None"], None]
@@ -41,7 +42,7 @@ class CachedPrompt:
 
 
 def cache_prompt(model: Any, tokenizer: Any, tokens: Sequence[int], path: str | os.PathLike, *,
-                 bits: tuple[int, int] = (2, 2), seed: int = 0, residual: str = "conditional",
+                 bits: tuple[int, int] = DEFAULT_BITS, seed: int = 0, residual: str = "conditional",
                  mode: str = "packed", dense_window: int = 0, metadata: dict[str, str] | None = None,
                  chunk: int = 512, progress: ProgressFn | None = None,
                  save_progress: ProgressFn | None = None) -> CachedPrompt:

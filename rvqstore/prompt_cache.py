@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import RVQKVCache
-from .codec import RVQCodec
+from .codec import DEFAULT_BITS, RVQCodec
 from .compat import UnsupportedCacheError
 from .errors import RVQError
 from .format import Section, open_rvq, write_rvq
@@ -100,7 +100,7 @@ def _model_geometry_check(caches: Sequence[RVQKVCache], model: Any) -> None:
 
 def save_prompt_cache(path: str | os.PathLike, cache: Sequence[Any], *, tokens: Sequence[int] | None = None,
                       metadata: dict[str, str] | None = None, model: Any = None, tokenizer: Any = None,
-                      bits: tuple[int, int] = (2, 2), seed: int = 0, residual: str = "conditional",
+                      bits: tuple[int, int] = DEFAULT_BITS, seed: int = 0, residual: str = "conditional",
                       compress: str = "auto", progress: Callable[[int, int | None], None] | None = None) -> int:
     """Write ``cache`` (a list, one entry per layer) to ``path`` as an ``.rvq`` snapshot.
 
@@ -262,7 +262,7 @@ def resume(path: str | os.PathLike, prompt_tokens: Sequence[int], model: Any = N
     return ResumeResult(caches, p, prompt[p:], n_stored, meta)
 
 
-def make_prompt_cache(model: Any, bits: tuple[int, int] | int = (2, 2), seed: int = 0, residual: str = "conditional",
+def make_prompt_cache(model: Any, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0, residual: str = "conditional",
                       **kwargs: Any) -> list[RVQKVCache]:
     """One :class:`RVQKVCache` per layer of ``model``.
 
@@ -280,7 +280,7 @@ def make_prompt_cache(model: Any, bits: tuple[int, int] | int = (2, 2), seed: in
     return [RVQKVCache(bits, seed, residual, **kwargs) for _ in range(len(model.layers))]
 
 
-def convert_prompt_cache(cache: Sequence[Any], bits: tuple[int, int] | int = (2, 2), seed: int = 0,
+def convert_prompt_cache(cache: Sequence[Any], bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0,
                          residual: str = "conditional", **kwargs: Any) -> list[RVQKVCache]:
     """Encode a list of mlx-lm ``KVCache``/``QuantizedKVCache`` into RVQKVCaches."""
     return _as_rvq_caches(cache, dict(bits=bits, seed=seed, residual=residual, **kwargs))

@@ -130,3 +130,17 @@ def test_conversion_from_mlx_lm_caches():
     assert err < 0.012
     with pytest.raises(UnsupportedCacheError, match="RotatingKVCache"):
         convert_prompt_cache([RotatingKVCache(max_size=8)])
+
+
+def test_state_and_save_while_every_token_is_still_in_the_window(tmp_path):
+    from rvqstore import load_prompt_cache, save_prompt_cache
+
+    k, v = kv(10)
+    c = RVQKVCache((2, 2), dense_window=64)
+    c.update_and_fetch(k, v)
+    ks, kc1, kc2, vs, vc1, vc2, dk, dv = c.state
+    assert ks.shape == (1, 3, 0) and kc1.shape[2] == 0 and dk.shape == (1, 3, 10, 64)
+    save_prompt_cache(tmp_path / "w.rvq", [c], tokens=list(range(10)))
+    back = load_prompt_cache(tmp_path / "w.rvq")[0]
+    assert back.offset == 10 and back.n_dense == 10
+    assert mx.array_equal(back.keys_and_values()[0], k).item()
