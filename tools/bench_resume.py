@@ -89,6 +89,8 @@ def first_token(logits: mx.array) -> int:
 class Bench:
     def __init__(self, args):
         self.args = args
+        b1, _, b2 = args.bits.partition("+")
+        self.bits = (int(b1), int(b2 or 0))
         self.model, self.tok = load_model()
         self.ids = self.tok.encode(TEXT.read_text(encoding="utf-8"))
         self.n_layers = len(self.model.layers)
@@ -139,7 +141,7 @@ class Bench:
         return self.forward1(cache, prompt[-1])
 
     def arm_reprefill(self, prompt, *, kind):
-        cache = rvqstore.make_prompt_cache(self.model) if kind == "rvq" else self.kv_cache()
+        cache = rvqstore.make_prompt_cache(self.model, self.bits) if kind == "rvq" else self.kv_cache()
         return first_token(prefill(self.model, prompt, cache))
 
     def ttft_arms(self, files):
@@ -164,7 +166,7 @@ class Bench:
                  (("rvq", "rvq"), ("fp16", "fp16.safetensors"), ("q4", "q4.safetensors"))}
         times = {}
         # RVQ: prefill (timed), save (timed apart), forward the next token (timed)
-        cache = rvqstore.make_prompt_cache(self.model)
+        cache = rvqstore.make_prompt_cache(self.model, self.bits)
         t0 = time.perf_counter()
         prefill(self.model, prompt, cache)
         t_pre = time.perf_counter() - t0
@@ -421,6 +423,7 @@ def parse_rounds(spec: str) -> dict[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bits", default="2+2", help="RVQ bits per stage (default 2+2: the ~4-bit point the goals name)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the cheap TTFT arms per length")
     ap.add_argument("--prefill-rounds", type=str, default="512:3,1024:3,2048:2,4096:2",
