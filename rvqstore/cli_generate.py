@@ -81,6 +81,11 @@ def cmd_cache_prompt(args: argparse.Namespace) -> int:
     from .progress import ProgressBar
 
     text = _read_prompt(args)
+    from .cache import RVQKVCache
+
+    RVQKVCache(args.bits, args.seed, args.residual, dense_window=args.dense_window)  # bad settings fail now
+    if args.chunk < 1:
+        raise CLIError("--chunk must be >= 1", 2)
     model, tokenizer = _load(args)
     tokens = _encode(tokenizer, text, args.chat)
     if not tokens:
