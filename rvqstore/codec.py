@@ -143,8 +143,11 @@ class RVQCodec:
                     if i < len(self.boundaries1):
                         fine.append(self.boundaries1[i])
                 self._fine_thresholds = np.array(fine, dtype=np.float32)
-        # up to this many thresholds, count over the flat list instead of gathering per cell
-        self.max_flat_thresholds = 15
+        # up to this many thresholds, count over the flat list instead of gathering per cell; measured
+        # on MLX's CPU backend the flat count wins or ties for every config (e.g. 2+4: 0.26 s vs 1.2 s,
+        # 4+2: 0.39 vs 0.36 s per 12.8M coordinates); the gathered form stays for tests and as the spec's
+        # own wording
+        self.max_flat_thresholds = 255
         # compiled once per codec: fewer dispatches per call (what a per-token cache update pays)
         self._rotate_fn = mx.compile(self._rotate_reference)
         self._unrotate_fns: dict = {}
