@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec
+from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError
 
 MODES = ("packed", "resident")
@@ -115,7 +115,7 @@ class RVQKVCache:
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise CodecConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
         RVQCodec(64, bits, seed, residual)  # validate the codec settings now, not at first use
-        self.codec_bits = bits if isinstance(bits, tuple) else (bits, 0)
+        self.codec_bits = _parse_bits(bits)
         self.seed = seed
         self.residual = residual
         self.mode = mode
