@@ -153,7 +153,7 @@ class RVQCodec:
         self._unrotate_fns: dict = {}
         self._quantize_fn = mx.compile(self._quantize_reference)
         self._dequantize_fn = mx.compile(self._dequantize_reference)
-        self._luts: dict[str, mx.array] = {}
+        self._luts: dict[str, tuple[mx.array, int]] = {}
         self._lut_fn = mx.compile(self._lut_decode)
 
     # ---- description ------------------------------------------------------------------------------
@@ -234,45 +234,58 @@ class RVQCodec:
             if out is not None:
                 return out
         two = codes2 is not None and self.bits2 > 0
-        lut = self._byte_lut(two)
+        lut = self._group_lut(two)
         if lut is not None:
-            return self._lut_fn(codes1, codes2 if two else codes1, lut, two)
+            return self._lut_fn(codes1, codes2 if two else codes1, lut[0], lut[1], two)
         if not two:
             return mx.take(self._c1_mx, unpack_codes(codes1, self.bits1, self.dim).astype(mx.uint32))
         return self._dequantize_fn(codes1, codes2)
 
-    # ---- byte-table decoding: a faster, bit-identical formulation for 1/2/4-bit codes ----------------
-    def _byte_lut(self, two_stage: bool) -> mx.array | None:
-        """Table from one code byte (or a byte pair: stage-1 byte | stage-2 byte << 8) to the
-        ``8 // bits`` float32 values it decodes to; None where code bytes don't line up."""
-        b1, b2 = self.bits1, self.bits2
-        if b1 not in (1, 2, 4) or (two_stage and b2 != b1):
+    # ---- table decoding: a faster, bit-identical formulation for 1/2/4-bit codes ---------------------
+    def _group_lut(self, two_stage: bool) -> tuple[mx.array, int] | None:
+        """``(table, g)``: the codes of ``g`` consecutive coordinates (stage-1 bits, then stage-2 bits
+        above them) index ``table``, whose row holds their ``g`` float32 decoded values. One gather per
+        ``g`` coordinates instead of one per coordinate. None for 3-bit codes (they straddle fields)."""
+        b1, b2 = self.bits1, (self.bits2 if two_stage else 0)
+        if b1 not in (1, 2, 4) or (two_stage and b2 not in (1, 2, 4)):
             return None
         key = "lut2" if two_stage else "lut1"
         if key not in self._luts:
-            per = 8 // b1
-            i = np.arange(1 << (16 if two_stage else 8))
-            table = np.empty((len(i), per), np.float32)
-            for j in range(per):
+            g = 8 // max(b1, b2)
+            w1 = g * b1
+            i = np.arange(1 << (g * (b1 + b2)))
+            table = np.empty((len(i), g), np.float32)
+            for j in range(g):
                 i1 = (i >> (j * b1)) & ((1 << b1) - 1)
                 if not two_stage:
                     table[:, j] = self.centroids1[i1]
                     continue
-                i2 = (i >> (8 + j * b2)) & ((1 << b2) - 1)
+                i2 = (i >> (w1 + j * b2)) & ((1 << b2) - 1)
                 if self.residual == "shared":  # same float32 add as the reference path
                     table[:, j] = self.centroids1[i1] + self.centroids2[0][i2]
                 else:
                     table[:, j] = self.centroids2[i1, i2]
-            self._luts[key] = mx.array(table)
+            self._luts[key] = (mx.array(table), g)
         return self._luts[key]
 
-    def _lut_decode(self, codes1: mx.array, codes2: mx.array, table: mx.array, two_stage: bool) -> mx.array:
-        idx = codes1.view(mx.uint8).astype(mx.uint32)
+    @staticmethod
+    def _fields(words: mx.array, width: int) -> mx.array:
+        """Split uint32 words into their ``32 // width`` fields of ``width`` bits, LSB first."""
+        if width == 8:
+            return words.view(mx.uint8).astype(mx.uint32)
+        if width == 16:
+            return words.view(mx.uint16).astype(mx.uint32)
+        shifts = mx.arange(32 // width, dtype=mx.uint32) * width
+        f = (words[..., None] >> shifts) & ((1 << width) - 1)
+        return f.reshape(*words.shape[:-1], -1)
+
+    def _lut_decode(self, codes1: mx.array, codes2: mx.array, table: mx.array, g: int, two_stage: bool) -> mx.array:
+        n = -(-self.dim // g)  # groups per vector (code slots past dim are zero padding)
+        idx = self._fields(codes1, g * self.bits1)[..., :n]
         if two_stage:
-            idx = idx | (codes2.view(mx.uint8).astype(mx.uint32) << 8)
-        y = mx.take(table, idx, axis=0)
-        y = y.reshape(*codes1.shape[:-1], -1)
-        return y[..., : self.dim] if y.shape[-1] != self.dim else y
+            idx = idx | (self._fields(codes2, g * self.bits2)[..., :n] << (g * self.bits1))
+        y = mx.take(table, idx, axis=0).reshape(*codes1.shape[:-1], n * g)
+        return y[..., : self.dim] if n * g != self.dim else y
 
     def unrotate(self, y_hat: mx.array, scales: mx.array, dtype: mx.Dtype = mx.float32) -> mx.array:
         """``(H^T(y_hat) / dim) * signs * scale`` in ``dtype``."""
