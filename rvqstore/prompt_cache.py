@@ -21,7 +21,7 @@ from .cache import RVQKVCache
 from .codec import DEFAULT_BITS, RVQCodec
 from .compat import UnsupportedCacheError
 from .errors import RVQError
-from .format import Section, open_rvq, write_rvq
+from .format import MalformedHeaderError, Section, open_rvq, write_rvq
 
 _DTYPE_BY_NAME = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _FP_IGNORED = {"source"}  # labels, not identity
@@ -92,10 +92,9 @@ def _as_rvq_caches(cache: Sequence[Any], codec_kwargs: dict) -> list[RVQKVCache]
     return out
 
 
-def _model_geometry_check(caches: Sequence[RVQKVCache], model: Any) -> None:
-    n_layers = len(model.layers)
-    if len(caches) != n_layers:
-        raise ModelMismatchError(f"the cache has {len(caches)} layers but the model has {n_layers}")
+def _check_layer_count(n: int, model: Any, where: str) -> None:
+    if n != len(model.layers):
+        raise ModelMismatchError(f"{where}: {n} layers, but the model has {len(model.layers)}")
 
 
 def save_prompt_cache(path: str | os.PathLike, cache: Sequence[Any], *, tokens: Sequence[int] | None = None,
@@ -134,7 +133,7 @@ def save_prompt_cache(path: str | os.PathLike, cache: Sequence[Any], *, tokens: 
         raise UnsupportedCacheError(f"format v1 needs one head dim shared by keys and values, got {sorted(dims)}")
     fingerprint = None
     if model is not None:
-        _model_geometry_check(caches, model)
+        _check_layer_count(len(caches), model, "the cache")
         fingerprint = _fingerprint(model, tokenizer)
 
     codec = first._keys.codec
@@ -177,6 +176,23 @@ def check_model(file_fp: dict | None, model: Any, tokenizer: Any = None, *, path
         raise ModelMismatchError(f"{path}: snapshot was made with a different model ({detail})")
 
 
+def _check_file_against_model(f, model: Any, tokenizer: Any) -> None:
+    check_model(f.model, model, tokenizer, path=f.path)
+    _check_layer_count(len(f.layers), model, f.path)
+
+
+def _cache_options(f) -> dict:
+    """The snapshot's ``cache`` extension map (mode, window), validated: a crafted header must not
+    reach the cache constructor as arbitrary types."""
+    opts = f.header.raw.get("cache") or {}
+    ok = isinstance(opts, dict) and opts.get("mode", "packed") in ("packed", "resident") and all(
+        type(opts.get(k, 1)) is int and opts.get(k, 1) >= lo for k, lo in (("dense_window", 0), ("flush_block", 1)))
+    if not ok:
+        raise MalformedHeaderError(f.path, f"header.cache is malformed: {opts!r}"[:300])
+    return {"mode": opts.get("mode", "packed"), "dense_window": opts.get("dense_window", 0),
+            "flush_block": opts.get("flush_block", 64)}
+
+
 def load_prompt_cache(path: str | os.PathLike, *, model: Any = None, tokenizer: Any = None,
                       return_metadata: bool = False, mode: str | None = None, use_kernels: bool = True):
     """Load an ``.rvq`` snapshot as a list of :class:`RVQKVCache` (one per layer).
@@ -187,9 +203,7 @@ def load_prompt_cache(path: str | os.PathLike, *, model: Any = None, tokenizer: 
     """
     with open_rvq(path) as f:
         if model is not None:
-            check_model(f.model, model, tokenizer, path=os.fspath(path))
-            if len(f.layers) != len(model.layers):
-                raise ModelMismatchError(f"{os.fspath(path)}: {len(f.layers)} layers, model has {len(model.layers)}")
+            _check_file_against_model(f, model, tokenizer)
         caches = _read_caches(f, mode=mode, use_kernels=use_kernels)
         meta = dict(f.metadata)
     return (caches, meta) if return_metadata else caches
@@ -199,10 +213,10 @@ def _read_caches(f, *, mode: str | None, use_kernels: bool) -> list[RVQKVCache]:
     if f.quantizer is None:
         raise RVQError(f"{f.path}: no quantizer in this file")
     codec = RVQCodec.from_header(f.quantizer, use_kernels=use_kernels)
-    opts = f.header.raw.get("cache") or {}
+    opts = _cache_options(f)
     kw = dict(bits=codec.bits, seed=codec.seed, residual=codec.residual if codec.bits2 else "conditional",
-              mode=mode or opts.get("mode", "packed"), dense_window=int(opts.get("dense_window", 0)),
-              flush_block=int(opts.get("flush_block", 64)), use_kernels=use_kernels)
+              mode=mode or opts["mode"], dense_window=opts["dense_window"], flush_block=opts["flush_block"],
+              use_kernels=use_kernels)
     caches = []
     for layer in f.layers:
         if layer.kind != "rvq":
@@ -252,7 +266,7 @@ def resume(path: str | os.PathLike, prompt_tokens: Sequence[int], model: Any = N
         if stored is None:
             raise NoTokensError(f"{os.fspath(path)}: the snapshot stores no token ids, so no prefix can be matched")
         if model is not None:
-            check_model(f.model, model, tokenizer, path=os.fspath(path))
+            _check_file_against_model(f, model, tokenizer)
         p = min(common_prefix_length(stored, prompt), len(prompt) - 1)
         caches = _read_caches(f, mode=mode, use_kernels=use_kernels)
         meta = dict(f.metadata)

@@ -144,3 +144,24 @@ def test_state_and_save_while_every_token_is_still_in_the_window(tmp_path):
     back = load_prompt_cache(tmp_path / "w.rvq")[0]
     assert back.offset == 10 and back.n_dense == 10
     assert mx.array_equal(back.keys_and_values()[0], k).item()
+
+
+@pytest.mark.parametrize("bad", [{"mode": "turbo"}, {"dense_window": "8"}, {"flush_block": 0}, [1, 2]])
+def test_crafted_cache_options_in_a_file_raise_a_format_error(tmp_path, bad):
+    from rvqstore import load_prompt_cache, save_prompt_cache
+    from rvqstore.format import FormatError, open_rvq, write_rvq
+    from rvqstore.format.writer import Section
+
+    k, v = kv(5)
+    c = RVQKVCache((2, 2))
+    c.update_and_fetch(k, v)
+    good = tmp_path / "good.rvq"
+    save_prompt_cache(good, [c])
+    with open_rvq(good) as f:  # rewrite the same content with a hostile `cache` map
+        header = {key: f.header.raw[key] for key in ("n_tokens", "layers", "quantizer", "model", "metadata")}
+        sections = [Section(s.name, s.layer, s.kind, np.array(f.read_section(s.name)), s.dtype) for s in f.sections]
+    header["cache"] = bad
+    bad_path = tmp_path / "bad.rvq"
+    write_rvq(bad_path, header, sections)
+    with pytest.raises(FormatError, match="header.cache"):
+        load_prompt_cache(bad_path)
