@@ -1,63 +1,13 @@
-"""The ``rvqstore`` command line.
-
-Each subcommand is one function registered with :func:`subcommand`; its arguments are declared by a
-small ``configure(parser)`` function.  To add one::
-
-    def _generate_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--prompt-cache", required=True)
-
-    @subcommand("generate", help="continue a cached prompt", configure=_generate_args)
-    def cmd_generate(args: argparse.Namespace) -> int:
-        ...
-        return 0
-
-Errors: a subcommand raises (any :class:`rvqstore.errors.RVQError`, ``OSError``, ...) and
-:func:`main` prints one line on stderr and exits non-zero; no traceback reaches the user
-(``RVQSTORE_DEBUG=1`` shows it).  Exit status: 0 success, 1 failure (invalid file, I/O error, ...),
-2 usage error, 130 interrupted.
-"""
+"""CLI subcommands that read a ``.rvq`` file: ``inspect`` (header only) and ``verify`` (everything)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
-PROG = "rvqstore"
-
-
-@dataclass(frozen=True)
-class _Command:
-    name: str
-    help: str
-    configure: Callable[[argparse.ArgumentParser], None] | None
-    run: Callable[[argparse.Namespace], int]
-
-
-_COMMANDS: list[_Command] = []
-
-
-def subcommand(name: str, *, help: str, configure: Callable[[argparse.ArgumentParser], None] | None = None):
-    """Register ``fn(args) -> int`` as the subcommand ``name``."""
-
-    def deco(fn: Callable[[argparse.Namespace], int]):
-        if any(c.name == name for c in _COMMANDS):
-            raise ValueError(f"subcommand {name!r} registered twice")
-        _COMMANDS.append(_Command(name, help, configure, fn))
-        return fn
-
-    return deco
-
-
-class CLIError(Exception):
-    """A failure to report as one line with exit status ``code``."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
+from .registry import subcommand
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -238,7 +188,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 @subcommand("inspect", help="show what a .rvq file holds (reads only its header)", configure=_inspect_args)
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .format import open_rvq
+    from ..format import open_rvq
 
     with open_rvq(args.file) as f:
         d = describe(f)
@@ -260,8 +210,8 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
 
 @subcommand("verify", help="check every checksum and decode every section of a .rvq file", configure=_verify_args)
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .format import open_rvq
-    from .format.quantizer import decode_layers
+    from ..format import open_rvq
+    from ..format.quantizer import decode_layers
 
     decoded = {"vectors": 0}
 
@@ -277,73 +227,3 @@ def cmd_verify(args: argparse.Namespace) -> int:
             msg += f", {decoded['vectors']:,} vectors decoded by the codec"
         print(msg)
     return 0
-
-
-# ---- entry point -----------------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse prints usage + message by default)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Compressed (TurboQuant-RVQ) LLM KV caches.")
-    from . import __version__ as version
-
-    parser.add_argument("--version", action="version", version=f"{PROG} {version}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    sub.required = True
-    from . import cli_generate  # noqa: F401 - registers the model commands (cache-prompt, generate, demo)
-
-    for c in _COMMANDS:
-        p = sub.add_parser(c.name, help=c.help, description=c.help)
-        if c.configure is not None:
-            c.configure(p)
-        p.set_defaults(_run=c.run)
-    return parser
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return " ".join(text.split())
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    debug = os.environ.get("RVQSTORE_DEBUG") == "1"
-    try:
-        code = args._run(args)
-        sys.stdout.flush()
-        return int(code or 0)
-    except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        # the reader of our output went away (e.g. `| head`): not an error of ours
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
-        return 0
-    except Exception as e:  # noqa: BLE001 - the CLI promises one line, never a traceback
-        if debug:
-            raise
-        from .errors import RVQError
-
-        if isinstance(e, CLIError):
-            print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
-            return e.code
-        if isinstance(e, RVQError):
-            print(f"{PROG} {args.command}: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
-        elif isinstance(e, OSError):
-            what = e.strerror or _one_line(e)
-            where = f": {e.filename}" if e.filename else ""
-            print(f"{PROG} {args.command}: error: {what}{where}", file=sys.stderr)
-        else:
-            print(f"{PROG} {args.command}: internal error: {type(e).__name__}: {_one_line(e)} "
-                  f"(set RVQSTORE_DEBUG=1 for a traceback)", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
