@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import RVQKVCache
+from .cache_kinds import convert_caches, make_caches
 from .codec import DEFAULT_BITS, RVQCodec
 from .compat import UnsupportedCacheError
 from .errors import RVQError
@@ -277,24 +278,20 @@ def resume(path: str | os.PathLike, prompt_tokens: Sequence[int], model: Any = N
 
 
 def make_prompt_cache(model: Any, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0, residual: str = "conditional",
-                      **kwargs: Any) -> list[RVQKVCache]:
-    """One :class:`RVQKVCache` per layer of ``model``.
+                      **kwargs: Any) -> list:
+    """rvqstore caches following the model's own per-layer cache kinds (``model.make_cache()``).
 
-    Models that build their own caches (``model.make_cache()``) are accepted only if every cache is a
-    plain ``KVCache``; rotating windows and recurrent states raise UnsupportedCacheError.
+    Plain layers get an :class:`RVQKVCache`, sliding-window layers an :class:`RVQRotatingKVCache` (same
+    ``max_size``/``keep``), recurrent state (``ArraysCache``) stays as mlx-lm makes it, and a
+    ``CacheList`` gets its children converted; any other kind raises :class:`UnsupportedCacheError`
+    naming it and the layer (see :mod:`rvqstore.cache_kinds`). ``kwargs`` go to the RVQ caches
+    (``mode``, ``dense_window``, ...; sliding-window layers take no ``dense_window``).
     """
-    if hasattr(model, "make_cache"):
-        from mlx_lm.models import cache as lm
-
-        for i, c in enumerate(model.make_cache()):
-            if type(c) is not lm.KVCache:
-                raise UnsupportedCacheError(
-                    f"layer {i} of this model uses a {type(c).__name__}; rvqstore supports models whose layers "
-                    f"all use plain KV caches")
-    return [RVQKVCache(bits, seed, residual, **kwargs) for _ in range(len(model.layers))]
+    return make_caches(model, dict(bits=bits, seed=seed, residual=residual), kwargs)
 
 
 def convert_prompt_cache(cache: Sequence[Any], bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0,
-                         residual: str = "conditional", **kwargs: Any) -> list[RVQKVCache]:
-    """Encode a list of mlx-lm ``KVCache``/``QuantizedKVCache`` into RVQKVCaches."""
-    return _as_rvq_caches(cache, dict(bits=bits, seed=seed, residual=residual, **kwargs))
+                         residual: str = "conditional", **kwargs: Any) -> list:
+    """Encode a list of mlx-lm caches (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache, CacheList)
+    into their rvqstore forms; rvqstore caches and recurrent state are passed through."""
+    return convert_caches(cache, dict(bits=bits, seed=seed, residual=residual), kwargs)

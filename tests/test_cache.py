@@ -1,7 +1,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from rvqstore import RVQCodec, RVQKVCache, convert_prompt_cache
 from rvqstore.compat import UnsupportedCacheError
@@ -128,8 +128,8 @@ def test_conversion_from_mlx_lm_caches():
     assert convq.offset == 20
     err = float(mx.sum((convq.keys_and_values()[0] - k) ** 2) / mx.sum(k * k))
     assert err < 0.012
-    with pytest.raises(UnsupportedCacheError, match="RotatingKVCache"):
-        convert_prompt_cache([RotatingKVCache(max_size=8)])
+    with pytest.raises(UnsupportedCacheError, match="layer 1 uses a ChunkedKVCache"):
+        convert_prompt_cache([RotatingKVCache(max_size=8), ChunkedKVCache(8)])
 
 
 def test_state_and_save_while_every_token_is_still_in_the_window(tmp_path):

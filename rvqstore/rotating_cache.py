@@ -1,0 +1,271 @@
+"""RVQRotatingKVCache: a sliding-window KV cache (mlx-lm ``RotatingKVCache`` semantics) holding codes.
+
+Only the window is kept: the ``keep`` first tokens of the sequence (attention sinks) and the most
+recent ones, at most ``max_size`` in all, as TurboQuant-RVQ codes. What attention sees follows mlx-lm:
+
+- before an update the held tokens are cut to ``keep`` sinks + the latest ``max_size - 1 - keep``
+  (mlx-lm's ``trim_size = idx - max_size + 1``), then the new tokens are appended, so a chunk of
+  ``S`` tokens attends over ``min(offset, max_size - 1) + S`` keys, masked by :meth:`make_mask`
+  exactly as mlx-lm masks them;
+- after the update the held tokens are cut to ``max_size`` (what the next update can still use), so
+  memory never exceeds a window's worth of codes, even after a long one-shot prefill.
+
+Unlike mlx-lm's ring the tokens are always held in temporal order (sinks first): single-token
+updates see the same set of keys (their mask is order-free, or built here for temporal order), the
+state needs no write index, and a snapshot stores it as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from .cache import MODES, _Stream
+from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
+from .errors import CodecConfigError, InputShapeError
+
+
+def _cut(a: mx.array, keep: int, tail: int) -> mx.array:
+    """Along axis 2: the first ``keep`` entries and the last ``tail`` ones."""
+    n = a.shape[2]
+    return mx.concatenate([a[:, :, :keep], a[:, :, n - tail:]], axis=2)
+
+
+class RVQRotatingKVCache:
+    """Sliding-window cache of RVQ codes, usable wherever mlx-lm takes a ``RotatingKVCache``.
+
+    Args:
+        max_size: window capacity in tokens, sinks included (mlx-lm's ``max_size``), >= 1.
+        keep: tokens at the start of the sequence that never leave the window, ``0 <= keep < max_size``.
+        bits, seed, residual: codec settings (see :class:`rvqstore.RVQCodec`).
+        mode: ``"packed"`` (codes only; each update decodes the window) or ``"resident"`` (a decoded
+            copy of the window is kept alongside the codes, so each token is decoded once).
+        use_kernels: use the fused GPU kernels where available.
+    """
+
+    def __init__(self, max_size: int, keep: int = 0, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0,
+                 residual: str = "conditional", *, mode: str = "packed", use_kernels: bool = True):
+        for name, v, lo in (("max_size", max_size, 1), ("keep", keep, 0)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise CodecConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if keep >= max_size:
+            raise CodecConfigError(f"keep ({keep}) must be smaller than max_size ({max_size})")
+        if mode not in MODES:
+            raise CodecConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        RVQCodec(64, bits, seed, residual)  # validate the codec settings now, not at first use
+        self.max_size = max_size
+        self.keep = keep
+        self.codec_bits = _parse_bits(bits)
+        self.seed = seed
+        self.residual = residual
+        self.mode = mode
+        self.use_kernels = use_kernels
+        self.offset = 0  # tokens seen (absolute position of the next token)
+        self._keys: _Stream | None = None
+        self._values: _Stream | None = None
+        self._res_k: mx.array | None = None  # resident decoded window (temporal order)
+        self._res_v: mx.array | None = None
+        self.dtype: mx.Dtype | None = None
+        self.geometry: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    @property
+    def n_held(self) -> int:
+        """Tokens held in the window (sinks included)."""
+        return 0 if self._keys is None else self._keys.n
+
+    def _codec(self, dim: int) -> RVQCodec:
+        return RVQCodec(dim, self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels)
+
+    def _init_geometry(self, keys: mx.array, values: mx.array) -> None:
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise InputShapeError(f"keys/values must be (B, n_kv_heads, T, head_dim) with matching B, heads, T; "
+                                  f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+        b, h, _, dk = keys.shape
+        geo = (b, h, dk, values.shape[-1])
+        if self.geometry is None:
+            self.geometry, self.dtype = geo, keys.dtype
+            self._keys, self._values = _Stream(self._codec(dk), (b, h)), _Stream(self._codec(geo[3]), (b, h))
+        elif geo != self.geometry:
+            raise InputShapeError(f"this cache holds (B, heads, Dk, Dv) = {self.geometry}, got {geo}")
+
+    def _limit(self, n: int) -> None:
+        """Cut the held tokens to ``keep`` sinks + the latest ``n - keep`` (no-op when n or fewer are held)."""
+        held = self.n_held
+        if held <= n:
+            return
+        tail = n - self.keep
+        for s in (self._keys, self._values):
+            sc, c1, c2 = s.used()
+            s.set_packed(_cut(sc, self.keep, tail), _cut(c1, self.keep, tail),
+                         None if c2 is None else _cut(c2, self.keep, tail))
+        if self._res_k is not None:
+            self._res_k, self._res_v = _cut(self._res_k, self.keep, tail), _cut(self._res_v, self.keep, tail)
+
+    def _encode(self, keys: mx.array, values: mx.array) -> None:
+        if self.geometry[2] == self.geometry[3]:  # one codec call for both sides
+            b = keys.shape[0]
+            enc = self._keys.codec.encode(mx.concatenate([keys, values.astype(keys.dtype)], axis=0),
+                                          check_finite=False)
+            for s, sl in ((self._keys, slice(0, b)), (self._values, slice(b, 2 * b))):
+                s.append_encoded(EncodedVectors(enc.scales[sl], enc.codes1[sl],
+                                                None if enc.codes2 is None else enc.codes2[sl], enc.dtype))
+        else:
+            self._keys.append(keys)
+            self._values.append(values)
+
+    def _decode(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        return self._keys.decode(start, end, self.dtype), self._values.decode(start, end, self.dtype)
+
+    # ---- the mlx-lm protocol ------------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` (B, H, S, D); return the window attention sees (temporal order)."""
+        self._init_geometry(keys, values)
+        self._limit(self.max_size - 1)
+        start = self.n_held
+        self._encode(keys, values)
+        self.offset += keys.shape[2]
+        if self.mode == "resident":
+            nk, nv = self._decode(start, self.n_held)
+            if self._res_k is None or start == 0:
+                self._res_k, self._res_v = nk, nv
+            else:
+                self._res_k = mx.concatenate([self._res_k[:, :, :start], nk], axis=2)
+                self._res_v = mx.concatenate([self._res_v[:, :, :start], nv], axis=2)
+            out = self._res_k, self._res_v
+        else:
+            out = self._decode(0, self.n_held)
+        self._limit(self.max_size)
+        return out
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """The decoded keys and values of the window (temporal order)."""
+        if self.n_held == 0:
+            raise InputShapeError("the cache is empty")
+        if self.mode == "resident":
+            return self._res_k, self._res_v
+        return self._decode(0, self.n_held)
+
+    def size(self) -> int:
+        return min(self.offset, self.max_size)
+
+    def empty(self) -> bool:
+        return self.geometry is None
+
+    def trimmable_to(self) -> int:
+        """Smallest offset this cache can be trimmed back to with the same future results.
+
+        The next update attends over ``keep`` sinks + the ``max_size - 1 - keep`` tokens before it:
+        trimming back to ``p`` is exact while the window still holds all of them.
+        """
+        dropped_end = self.offset - (self.n_held - min(self.keep, self.n_held))  # first recent position held
+        if self.n_held >= self.offset:  # nothing ever left the window
+            return 0
+        return dropped_end + (self.max_size - 1 - self.keep)
+
+    def is_trimmable(self) -> bool:
+        return self.trimmable_to() < self.offset
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens, as far as :meth:`trimmable_to` allows; returns how many were dropped."""
+        n = max(0, min(int(n), self.offset - self.trimmable_to()))
+        if n == 0:
+            return 0
+        held = self.n_held - n
+        for s in (self._keys, self._values):
+            s.n = held
+            sc, c1, c2 = s.used()
+            s.set_packed(sc, c1, c2)
+        if self._res_k is not None:
+            self._res_k, self._res_v = self._res_k[:, :, :held], self._res_v[:, :, :held]
+        self.offset -= n
+        return n
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
+        """The mask mlx-lm's RotatingKVCache makes, for this cache's temporal order."""
+        from mlx_lm.models.base import create_causal_mask
+
+        if n > 1:
+            window_size = window_size or self.max_size
+            offset = min(self.max_size - 1, self.offset)
+            if offset + n > window_size or return_array:
+                return create_causal_mask(n, offset, window_size=window_size)
+            return "causal"
+        if window_size is None:
+            return None
+        if self.offset >= window_size and self.max_size > window_size:
+            size = self.offset + 1 if self.offset < self.max_size else self.max_size
+            return mx.arange(size) >= (size - window_size)
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes and scales (allocated capacity), and the resident decoded window."""
+        total = sum(s.nbytes for s in (self._keys, self._values) if s is not None)
+        return total + sum(a.nbytes for a in (self._res_k, self._res_v) if a is not None)
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes of the used codes and scales: what a snapshot of this cache stores."""
+        if self.geometry is None:
+            return 0
+        return sum(a.nbytes for s in (self._keys, self._values) for a in s.used() if a is not None)
+
+    # ---- state ------------------------------------------------------------------------------------
+    @property
+    def state(self) -> tuple:
+        """Arrays held: (k_scales, k_codes1, k_codes2, v_scales, v_codes1, v_codes2)."""
+        if self.geometry is None:
+            return ()
+        return (*self._keys.used(), *self._values.used())
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        b1, b2 = self.codec_bits
+        dt = "" if self.dtype is None else str(self.dtype).split(".")[-1]
+        return (str(b1), str(b2), str(self.seed), self.residual, self.mode, str(self.max_size), str(self.keep),
+                str(self.offset), dt)
+
+    @classmethod
+    def from_packed(cls, *, keys: tuple[mx.array, mx.array, mx.array | None],
+                    values: tuple[mx.array, mx.array, mx.array | None], offset: int, dtype: mx.Dtype,
+                    head_dims: tuple[int, int], key_codec: RVQCodec | None = None,
+                    value_codec: RVQCodec | None = None, **kwargs: Any) -> "RVQRotatingKVCache":
+        """Build from the packed window (temporal order: sinks, then the latest tokens) and the offset."""
+        c = cls(**kwargs)
+        b, h, n = keys[0].shape
+        if n > c.max_size or n > offset or (offset > n and n < min(c.keep, offset)):
+            raise InputShapeError(f"a window of {n} tokens does not fit max_size {c.max_size}, keep {c.keep}, "
+                                  f"offset {offset}")
+        c.geometry, c.dtype = (b, h, head_dims[0], head_dims[1]), dtype
+        c._keys = _Stream(key_codec or c._codec(head_dims[0]), (b, h))
+        c._values = _Stream(value_codec or c._codec(head_dims[1]), (b, h))
+        c._keys.set_packed(*keys)
+        c._values.set_packed(*values)
+        c.offset = offset
+        if c.mode == "resident":
+            c._res_k, c._res_v = c._decode(0, n)
+        return c
+
+    @classmethod
+    def from_rotating_cache(cls, cache: Any, **kwargs: Any) -> "RVQRotatingKVCache":
+        """Encode the window of an mlx-lm ``RotatingKVCache`` (same max_size, keep and offset)."""
+        c = cls(cache.max_size, cache.keep, **kwargs)
+        if cache.keys is None or cache.offset == 0:
+            return c
+        # mlx-lm's own reordering: its ring (or its over-long buffer after a prefill) in temporal order.
+        k, v = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+        held = min(k.shape[2], cache.offset)
+        k, v = k[:, :, :held], v[:, :, :held]
+        c._init_geometry(k, v)
+        c._encode(k, v)
+        c.offset = cache.offset
+        c._limit(c.max_size)
+        if c.mode == "resident":
+            c._res_k, c._res_v = c._decode(0, c.n_held)
+        return c
+
+    def __repr__(self) -> str:
+        return (f"RVQRotatingKVCache(max_size={self.max_size}, keep={self.keep}, bits={self.codec_bits}, "
+                f"mode={self.mode!r}, offset={self.offset}, held={self.n_held}, nbytes={self.nbytes})")

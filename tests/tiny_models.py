@@ -1,0 +1,55 @@
+"""Tiny random-weight mlx-lm models of several architectures (no download), for the cache-kind tests.
+
+Each config keeps every dim small (hidden 64, 2-6 layers, head dims the codec takes) and a sliding
+window of 16 tokens where the architecture has one, so prompts of 8 and 40 tokens fall on both sides
+of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+WINDOW = 16
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(_COMMON, model_type="llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16),
+    "qwen3": dict(_COMMON, model_type="qwen3", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=512, rope_theta=10000.0),
+    "gemma3_text": dict(_COMMON, model_type="gemma3_text", num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=32, sliding_window=WINDOW, sliding_window_pattern=3,
+                        query_pre_attn_scalar=32, max_position_embeddings=512),
+    "gpt_oss": dict(_COMMON, model_type="gpt_oss", num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, num_local_experts=2,
+                    num_experts_per_tok=1, layer_types=["sliding_attention", "full_attention"],
+                    rope_theta=10000.0, swiglu_limit=7.0),
+    "qwen3_next": dict(_COMMON, model_type="qwen3_next", num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                       full_attention_interval=2, num_experts=2, num_experts_per_tok=1, decoder_sparse_step=1,
+                       shared_expert_intermediate_size=64, moe_intermediate_size=64, mlp_only_layers=[],
+                       rope_theta=10000.0, partial_rotary_factor=0.5, max_position_embeddings=512),
+    "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+                        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=None, first_k_dense_replace=2,
+                        moe_intermediate_size=64, max_position_embeddings=512, rope_theta=10000.0),
+}
+
+
+def build(arch: str, seed: int = 0):
+    """A random-weight float32 model of ``arch``: (model, config dict)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
+    cfg = dict(CONFIGS[arch])
+    mod = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    args = mod.ModelArgs.from_dict(cfg)
+    mx.random.seed(seed)
+    model = mod.Model(args)
+    # mlx-lm's default init is fine for linears; also give norms random scales so that no layer is trivial
+    model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
+    mx.eval(model.parameters())
+    assert tree_flatten(model.parameters())
+    return model, cfg
