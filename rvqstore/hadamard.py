@@ -6,6 +6,10 @@ S_2n = [[S, S], [S, -S]]) and ``A_m`` is MLX's base matrix for m in {12, 20, 28}
 row by row, '+' = +1). ``M @ M.T = dim * I``. ``A_1`` and ``A_12`` are symmetric, so there the
 inverse is the same transform; ``A_20`` and ``A_28`` are not, so the inverse applies ``A_m`` on the
 left of the (m, 2^k) view after the Sylvester part: ``x = (y @ M.T) / dim``.
+
+Dims with no Sylvester factor (``dim = m`` in {12, 20, 28}) never call ``mx.hadamard_transform``:
+MLX's CUDA kernel does not compile for them, so every backend takes explicit signed sums there,
+bit-identical to MLX's CPU transform (:func:`needs_explicit_route`).
 """
 
 from __future__ import annotations
@@ -75,8 +79,35 @@ def _base_matrix_mx(m: int) -> mx.array:
     return mx.array(base_matrix(m))
 
 
+def needs_explicit_route(dim: int) -> bool:
+    """True for dims with no power-of-two factor (12, 20, 28): MLX's CUDA Hadamard kernel is built
+    for ``dim = m * n`` with a Sylvester size ``n >= 2`` and does not compile for ``n = 1`` (its
+    radix-n kernel divides by log2(n) = 0, its radix-m kernel by n / read_width = 0). Those dims take
+    :func:`_explicit_transform` on every backend, so all backends share one route and one result."""
+    parts = split_dim(dim)
+    return parts is not None and parts[1] == 1
+
+
+def _explicit_transform(x: mx.array, scale: float, *, transpose: bool = False) -> mx.array:
+    """``scale * (x @ A_m)`` (or ``x @ A_m.T``) for ``x`` of shape ``(..., m)``, as signed sums.
+
+    Bit-identical to ``mx.hadamard_transform(x, scale)`` on MLX's CPU backend for float32 input: it
+    accumulates ``out_j = sum_k A_m[k, j] * x_k`` in k order, then multiplies by ``scale``
+    (``acc + x * (±1)`` rounds exactly as the CPU's ``acc ± x``). No matmul, so no backend-dependent
+    summation order; m <= 28 terms, so the cost is negligible.
+    """
+    m = x.shape[-1]
+    a = _base_matrix_mx(m).T if transpose else _base_matrix_mx(m)
+    acc = x[..., 0:1] * a[0]
+    for k in range(1, m):
+        acc = acc + x[..., k:k + 1] * a[k]
+    return acc * scale if scale != 1.0 else acc
+
+
 def forward(x: mx.array) -> mx.array:
     """Unnormalized transform along the last axis: ``x @ M`` (entries of M are ±1)."""
+    if needs_explicit_route(x.shape[-1]):
+        return _explicit_transform(x, 1.0)
     return mx.hadamard_transform(x, scale=1.0)
 
 
@@ -84,6 +115,8 @@ def inverse(y: mx.array, scale: float = 1.0) -> mx.array:
     """``scale * (y @ M.T)``; with ``scale = 1/dim`` this undoes :func:`forward`."""
     dim = y.shape[-1]
     m, p = check_dim(dim)
+    if p == 1 and m > 1:  # no Sylvester factor: the route every backend can run
+        return _explicit_transform(y, scale, transpose=True)
     if m in (1, 12):  # symmetric: M.T == M
         return mx.hadamard_transform(y, scale=scale)
     z = y.reshape(*y.shape[:-1], m, p)
