@@ -26,7 +26,7 @@ from . import registry
 from .registry import PROG, CLIError, Command
 
 # the built-in commands register themselves on import
-from . import file_commands, prompt_commands, demo  # noqa: E402,F401  isort: skip
+from . import file_commands, prompt_commands, demo, store_commands  # noqa: E402,F401  isort: skip
 from .file_commands import describe  # noqa: F401 - part of the public CLI module since 0.1
 
 _COMMANDS: list[Command] = registry.COMMANDS
