@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
+from .codec import _FLOAT_DTYPES, DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError
 
 MODES = ("packed", "resident")
@@ -60,6 +60,8 @@ class _Stream:
 
     def append_encoded(self, enc) -> None:
         lead, t = tuple(enc.scales.shape[:2]), enc.scales.shape[2]
+        if t == 0:
+            return
         self._grow(lead, self.n + t)
         end = self.n + t
         self.scales[..., self.n:end] = enc.scales
@@ -145,17 +147,28 @@ class RVQKVCache:
         return RVQCodec(dim, self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels)
 
     def _init_geometry(self, keys: mx.array, values: mx.array) -> None:
+        """Check ``keys``/``values`` completely, then (first call only) fix geometry and dtype. Every
+        check runs before any attribute changes: a refused call leaves the cache as it was."""
+        for name, a in (("keys", keys), ("values", values)):
+            if not isinstance(a, mx.array):
+                raise InputShapeError(f"{name} must be an mx.array, got {type(a).__name__}")
+            if a.dtype not in _FLOAT_DTYPES:
+                raise InputShapeError(f"{name} must be float16, bfloat16 or float32, got {a.dtype}")
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise InputShapeError(f"keys/values must be (B, n_kv_heads, T, head_dim) with matching B, heads, T; "
                                   f"got {tuple(keys.shape)} and {tuple(values.shape)}")
         b, h, _, dk = keys.shape
         geo = (b, h, dk, values.shape[-1])
-        if self.geometry is None:
-            self.geometry = geo
-            self.dtype = keys.dtype
-            self._keys, self._values = _Stream(self._codec(dk), (b, h)), _Stream(self._codec(geo[3]), (b, h))
-        elif geo != self.geometry:
-            raise InputShapeError(f"this cache holds (B, heads, Dk, Dv) = {self.geometry}, got {geo}")
+        if self.geometry is not None:
+            if geo != self.geometry:
+                raise InputShapeError(f"this cache holds (B, heads, Dk, Dv) = {self.geometry}, got {geo}")
+            return
+        if b < 1 or h < 1:
+            raise InputShapeError(f"keys/values need B >= 1 and n_kv_heads >= 1, got {tuple(keys.shape)}")
+        key_codec, value_codec = self._codec(dk), self._codec(geo[3])  # raises on an unsupported head dim
+        self.geometry = geo
+        self.dtype = keys.dtype
+        self._keys, self._values = _Stream(key_codec, (b, h)), _Stream(value_codec, (b, h))
 
     def _target_coded(self, total: int) -> int:
         if self.dense_window == 0:
@@ -167,6 +180,8 @@ class RVQKVCache:
         """Append ``keys``/``values`` of shape (B, H, T, D) and return all keys/values so far."""
         self._init_geometry(keys, values)
         t = keys.shape[2]
+        if t == 0:  # as mlx-lm's KVCache: nothing appended, the (possibly empty) history returned
+            return self._fetch()
         start_coded = self.n_coded
         if self.dense_window == 0:
             self._append(keys, values)
@@ -238,6 +253,9 @@ class RVQKVCache:
             dk, dv = self._dense_k.astype(self.dtype), self._dense_v.astype(self.dtype)
             k = dk if k is None else mx.concatenate([k, dk], axis=2)
             v = dv if v is None else mx.concatenate([v, dv], axis=2)
+        if k is None:  # nothing held yet: empty (B, H, 0, D) arrays, as mlx-lm's KVCache returns
+            b, h, dk, dv = self.geometry
+            k, v = mx.zeros((b, h, 0, dk), self.dtype), mx.zeros((b, h, 0, dv), self.dtype)
         return k, v
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:

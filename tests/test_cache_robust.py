@@ -1,0 +1,119 @@
+"""A refused update_and_fetch leaves the cache exactly as it was; zero-token updates behave like
+mlx-lm's KVCache (issue 12, items 1 and 2)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from rvqstore import RVQKVCache
+from rvqstore.errors import CodecConfigError, InputShapeError, RVQError
+
+
+def kv(t, b=1, h=2, d=64, seed=0, dtype=mx.float16):
+    rng = np.random.default_rng(seed)
+    return (mx.array(rng.standard_normal((b, h, t, d)).astype(np.float32)).astype(dtype),
+            mx.array(rng.standard_normal((b, h, t, d)).astype(np.float32)).astype(dtype))
+
+
+def snapshot(c: RVQKVCache) -> dict:
+    """Every attribute, arrays by identity (a failed call must not even replace them), plus the
+    streams' own attributes."""
+    out = {}
+    for name, v in vars(c).items():
+        if isinstance(v, mx.array):
+            out[name] = ("array", id(v))
+        elif hasattr(v, "codec") and hasattr(v, "n"):  # a code stream
+            out[name] = ("stream", id(v), v.n, id(v.scales), id(v.codes1), id(v.codes2), id(v.codec))
+        else:
+            out[name] = v
+    return out
+
+
+BAD_INPUTS = [
+    ("int32 keys", lambda: (mx.zeros((1, 2, 3, 64), mx.int32), mx.zeros((1, 2, 3, 64), mx.int32)), InputShapeError),
+    ("int32 values", lambda: (kv(3)[0], mx.zeros((1, 2, 3, 64), mx.int32)), InputShapeError),
+    ("head dim 100", lambda: kv(3, d=100), CodecConfigError),
+    ("value head dim 100", lambda: (kv(3)[0], kv(3, d=100)[1]), CodecConfigError),
+    ("3-d keys", lambda: (mx.zeros((2, 3, 64), mx.float16), mx.zeros((2, 3, 64), mx.float16)), InputShapeError),
+    ("T mismatch", lambda: (kv(3)[0], kv(4)[1]), InputShapeError),
+    ("numpy keys", lambda: (np.zeros((1, 2, 3, 64), np.float32), kv(3)[1]), InputShapeError),
+    ("zero heads", lambda: kv(3, h=0), InputShapeError),
+    ("zero batch", lambda: kv(3, b=0), InputShapeError),
+]
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+@pytest.mark.parametrize("what,make,err", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_refused_first_call_leaves_fresh_cache_unchanged(mode, what, make, err):
+    c = RVQKVCache((2, 2), mode=mode)
+    before = snapshot(c)
+    for _ in range(2):  # the same bad call twice: the same typed error both times
+        with pytest.raises(err):
+            c.update_and_fetch(*make())
+        assert snapshot(c) == before
+    assert c.empty() and c.geometry is None and c.dtype is None
+    k, v = kv(5)  # a valid call now behaves as on a fresh cache
+    ko, vo = c.update_and_fetch(k, v)
+    fresh = RVQKVCache((2, 2), mode=mode).update_and_fetch(k, v)
+    assert ko.dtype == mx.float16 and ko.shape == (1, 2, 5, 64)
+    np.testing.assert_array_equal(np.array(ko), np.array(fresh[0]))
+    np.testing.assert_array_equal(np.array(vo), np.array(fresh[1]))
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("what,make,err", BAD_INPUTS + [
+    ("other head dim", lambda: kv(3, d=32), InputShapeError),
+    ("other heads", lambda: kv(3, h=3), InputShapeError),
+    ("other batch", lambda: kv(3, b=2), InputShapeError),
+], ids=[b[0] for b in BAD_INPUTS] + ["other head dim", "other heads", "other batch"])
+def test_refused_call_leaves_filled_cache_unchanged(mode, window, what, make, err):
+    c = RVQKVCache((2, 2), mode=mode, dense_window=window, flush_block=2)
+    k, v = kv(7, seed=1)
+    c.update_and_fetch(k, v)
+    before = snapshot(c)
+    held = [np.array(a) for a in c.keys_and_values()]
+    if err is CodecConfigError:  # the geometry mismatch is what a filled cache reports first
+        err = InputShapeError
+    with pytest.raises(err):
+        c.update_and_fetch(*make())
+    assert snapshot(c) == before
+    for a, b in zip(c.keys_and_values(), held):
+        np.testing.assert_array_equal(np.array(a), b)
+    assert issubclass(err, RVQError)
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_zero_tokens_on_fresh_cache_matches_kvcache(mode, dtype):
+    k0, v0 = mx.zeros((1, 2, 0, 64), dtype), mx.zeros((1, 2, 0, 32), dtype)
+    ref = KVCache()
+    rk, rv = ref.update_and_fetch(k0, v0)
+    c = RVQKVCache((2, 2), mode=mode)
+    ck, cv = c.update_and_fetch(k0, v0)
+    assert (ck.shape, cv.shape, ck.dtype, cv.dtype) == (rk.shape, rv.shape, rk.dtype, rv.dtype)
+    assert c.offset == ref.offset == 0 and c.size() == 0
+    # then tokens arrive as usual
+    k, v = kv(3, dtype=dtype)
+    v = v[..., :32]
+    ck, cv = c.update_and_fetch(k, v)
+    rk, rv = ref.update_and_fetch(k, v)
+    assert ck.shape == rk.shape and cv.shape == rv.shape and c.offset == ref.offset == 3
+    a, b = np.array(ck.astype(mx.float32)), np.array(rk.astype(mx.float32))
+    assert np.sum((a - b) ** 2) / np.sum(b ** 2) < 0.03  # 2+2 bits: ~0.01 relative error
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+@pytest.mark.parametrize("window", [0, 4])
+def test_zero_tokens_on_filled_cache_returns_the_history(mode, window):
+    c = RVQKVCache((2, 2), mode=mode, dense_window=window, flush_block=2)
+    k, v = kv(9, seed=3)
+    ko, vo = c.update_and_fetch(k, v)
+    n_coded, n_dense = c.n_coded, c.n_dense
+    k2, v2 = c.update_and_fetch(k[:, :, :0], v[:, :, :0])
+    assert c.offset == 9 and (c.n_coded, c.n_dense) == (n_coded, n_dense)
+    np.testing.assert_array_equal(np.array(k2), np.array(ko))
+    np.testing.assert_array_equal(np.array(v2), np.array(vo))
