@@ -110,4 +110,6 @@ def load_model(
         model = dequantize_model(model)
     model.eval()
     mx.eval(model.parameters())
+    # A readable name stored in snapshots (fingerprint "source"), so a mismatch can say what to load.
+    model.rvqstore_source = f"bundled {BUNDLED_FILE} ({BUNDLED_PIP})" if path is None else str(p.resolve())
     return model, tokenizer

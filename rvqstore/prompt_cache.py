@@ -14,17 +14,18 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import mlx.core as mx
 import numpy as np
 
 from .cache import RVQKVCache
 from .cache_kinds import convert_caches, make_caches
-from .codec import DEFAULT_BITS, RVQCodec
-from .compat import UnsupportedCacheError
+from .snapshot.decode import decode_snapshot
+from .snapshot.encode import encode_snapshot, is_empty, snapshot_token_count
+from .snapshot.resume_rules import cut_to, longest_valid_prefix
+from .snapshot.structure import structure_mismatch
+from .codec import DEFAULT_BITS
 from .errors import RVQError
 from .format import MalformedHeaderError, Section, open_rvq, write_rvq
 
-_DTYPE_BY_NAME = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _FP_IGNORED = {"source"}  # labels, not identity
 
 
@@ -64,7 +65,7 @@ def _fingerprint(model: Any, tokenizer: Any) -> dict:
                 and (tok_ref() if tok_ref is not None else None) is tokenizer
                 and all(n == rn and r() is a for (n, a), (rn, r) in zip(params, refs))):
             return dict(fp)
-    fp = model_fingerprint(model, tokenizer)
+    fp = model_fingerprint(model, tokenizer, source=getattr(model, "rvqstore_source", None))
     try:
         key = id(model)
         model_ref = weakref.ref(model, lambda _, key=key: _FP_MEMO.pop(key, None))
@@ -76,26 +77,18 @@ def _fingerprint(model: Any, tokenizer: Any) -> dict:
     return fp
 
 
-def _dtype_name(dt: mx.Dtype) -> str:
-    return str(dt).split(".")[-1]
+def _check_structure(layers: Any, model: Any, where: str) -> None:
+    why = structure_mismatch(layers, model)
+    if why is not None:
+        raise ModelMismatchError(f"{where}: {why}")
 
 
-def _as_rvq_caches(cache: Sequence[Any], codec_kwargs: dict) -> list[RVQKVCache]:
-    out = []
-    for i, c in enumerate(cache):
-        if isinstance(c, RVQKVCache):
-            out.append(c)
-        else:
-            try:
-                out.append(RVQKVCache.from_kv_cache(c, **codec_kwargs))
-            except UnsupportedCacheError as e:
-                raise UnsupportedCacheError(f"layer {i}: {e}") from None
-    return out
+class _LayerView:
+    """What :func:`structure_mismatch` reads from a layer map, for caches about to be saved."""
 
-
-def _check_layer_count(n: int, model: Any, where: str) -> None:
-    if n != len(model.layers):
-        raise ModelMismatchError(f"{where}: {n} layers, but the model has {len(model.layers)}")
+    def __init__(self, m: dict) -> None:
+        self.kind, self.max_size, self.keep, self.n_arrays = m["kind"], m.get("max_size"), m.get("keep"), m.get("n_arrays")
+        self.children = [_LayerView(c) for c in m.get("children", ())]
 
 
 def save_prompt_cache(path: str | os.PathLike, cache: Sequence[Any], *, tokens: Sequence[int] | None = None,
@@ -104,82 +97,91 @@ def save_prompt_cache(path: str | os.PathLike, cache: Sequence[Any], *, tokens: 
                       compress: str = "auto", progress: Callable[[int, int | None], None] | None = None) -> int:
     """Write ``cache`` (a list, one entry per layer) to ``path`` as an ``.rvq`` snapshot.
 
-    Entries may be :class:`RVQKVCache` or mlx-lm ``KVCache`` / ``QuantizedKVCache`` (these are encoded
-    with ``bits``/``seed``/``residual``). ``tokens``: the ids the cache holds (needed for
-    :func:`resume`; their count must equal the cache's offset). ``model`` (and ``tokenizer``): store
-    their fingerprint so loading into another model is refused. The write is atomic: an interrupted
-    save leaves any previous file at ``path`` untouched. Returns the file size in bytes.
+    Entries may be rvqstore caches (:class:`RVQKVCache`, :class:`RVQRotatingKVCache`), mlx-lm ``KVCache`` /
+    ``QuantizedKVCache`` / ``RotatingKVCache`` (encoded with ``bits``/``seed``/``residual``), ``ArraysCache``
+    (recurrent state, stored in full precision) or a ``CacheList`` of these. ``tokens``: the ids the cache
+    holds (needed for :func:`resume`; their count must equal the cache's offset). ``model`` (and
+    ``tokenizer``): store their fingerprint, and the model's name/path, so loading into another model is
+    refused. The write is atomic: an interrupted save leaves any previous file at ``path`` untouched.
+    Returns the file size in bytes.
     """
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError("metadata must map str to str")
-    caches = _as_rvq_caches(cache, dict(bits=bits, seed=seed, residual=residual))
-    if not caches or any(c.empty() for c in caches):
+    caches = convert_caches(cache, dict(bits=bits, seed=seed, residual=residual), {})
+    if not caches or any(is_empty(c) for c in caches):
         raise RVQError("cannot save an empty cache (run the prompt through the model first)")
-    first = caches[0]
-    offsets = {c.offset for c in caches}
-    if len(offsets) != 1:
-        raise RVQError(f"layers hold different token counts {sorted(offsets)}")
-    n_tokens = first.offset
     if tokens is not None:
         tokens = np.asarray(list(tokens), dtype=np.int64)
-        if tokens.ndim != 1 or len(tokens) != n_tokens:
+        if tokens.ndim != 1:
+            raise ValueError("tokens must be a flat sequence of ids")
+    n_tokens = snapshot_token_count(caches, None if tokens is None else len(tokens))
+    if tokens is not None:
+        if len(tokens) != n_tokens:
             raise ValueError(f"tokens has {tokens.size} ids but the cache holds {n_tokens} tokens")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**31):
             raise ValueError("token ids must be in [0, 2^31)")
-    settings = {(c.codec_bits, c.seed, c.residual) for c in caches}
-    if len(settings) != 1:
-        raise RVQError("all layers must share one codec setting (bits, seed, residual) in format v1")
-    dims = {c.geometry[2:] for c in caches}
-    if len(dims) != 1 or len(next(iter(dims))) != 2 or len(set(next(iter(dims)))) != 1:
-        raise UnsupportedCacheError(f"format v1 needs one head dim shared by keys and values, got {sorted(dims)}")
+    layers, layer_sections, quantizer_keys = encode_snapshot(caches, n_tokens)
     fingerprint = None
     if model is not None:
-        _check_layer_count(len(caches), model, "the cache")
+        _check_structure([_LayerView(m) for m in layers], model, "the cache")
         fingerprint = _fingerprint(model, tokenizer)
 
-    codec = first._keys.codec
-    layers, sections = [], []
+    sections = []
     if tokens is not None:
         sections.append(Section("tokens", -1, "tokens", tokens.astype(np.int32)))
-    for i, c in enumerate(caches):
-        b, h, d, _ = c.geometry
-        layers.append({"index": i, "kind": "rvq", "batch": b, "n_kv_heads": h, "head_dim": d,
-                       "n_tokens": c.offset, "n_dense_tokens": c.n_dense,
-                       "key_dtype": _dtype_name(c.dtype), "value_dtype": _dtype_name(c.dtype)})
-        for side, stream, dense in (("keys", c._keys, c._dense_k), ("values", c._values, c._dense_v)):
-            scales, codes1, codes2 = stream.used()
-            sections.append(Section(f"layers.{i}.{side}.codes1", i, f"{side}.codes1", codes1))
-            if codes2 is not None:
-                sections.append(Section(f"layers.{i}.{side}.codes2", i, f"{side}.codes2", codes2))
-            sections.append(Section(f"layers.{i}.{side}.scales", i, f"{side}.scales", scales))
-            if c.n_dense:
-                sections.append(Section(f"layers.{i}.{side}.dense", i, f"{side}.dense", dense))
+    sections += layer_sections
     header = {
         "n_tokens": n_tokens,
         "layers": layers,
-        "quantizer": codec.to_header(),
+        **quantizer_keys,
         "model": fingerprint,
         "metadata": dict(metadata or {}),
-        "cache": {"mode": first.mode, "dense_window": first.dense_window, "flush_block": first.flush_block},
+        "cache": _cache_settings(caches),
     }
     write_rvq(path, header, sections, compress=compress, progress=progress)
     return os.path.getsize(path)
 
 
+def _cache_settings(caches: Sequence[Any]) -> dict:
+    """The ``cache`` extension map: mode (from the first RVQ cache) and dense window settings."""
+    flat = _flat(caches)
+    plain = next((c for c in flat if isinstance(c, RVQKVCache)), None)
+    mode = next((c.mode for c in flat if hasattr(c, "codec_bits")), "packed")
+    if plain is None:
+        return {"mode": mode, "dense_window": 0, "flush_block": 64}
+    return {"mode": mode, "dense_window": plain.dense_window, "flush_block": plain.flush_block}
+
+
+def _flat(caches: Sequence[Any]) -> list:
+    from mlx_lm.models.cache import CacheList
+
+    out = []
+    for c in caches:
+        out.extend(_flat(c.caches) if isinstance(c, CacheList) else [c])
+    return out
+
+
 def check_model(file_fp: dict | None, model: Any, tokenizer: Any = None, *, path: str = "") -> None:
-    """Raise ModelMismatchError if the snapshot's fingerprint differs from ``model``'s (and tokenizer's)."""
+    """Raise ModelMismatchError if the snapshot's fingerprint differs from ``model``'s (and tokenizer's).
+
+    The message names the model the snapshot was made with (its stored ``source``: name or path) so the
+    caller knows what to load.
+    """
     if file_fp is None:
         return
     mine = _fingerprint(model, tokenizer)  # without a tokenizer: no vocab hash to compare
     diff = [k for k in file_fp if k not in _FP_IGNORED and k in mine and file_fp[k] != mine[k]]
     if diff:
         detail = ", ".join(f"{k}: file {file_fp[k]!r} vs model {mine[k]!r}" for k in diff[:4])
-        raise ModelMismatchError(f"{path}: snapshot was made with a different model ({detail})")
+        made_with = file_fp.get("source")
+        hint = (f"; it was made with {made_with!r}: load that model (CLI: --model {made_with})"
+                if isinstance(made_with, str) and made_with else "")
+        raise ModelMismatchError(f"{path}: snapshot was made with a different model ({detail}){hint}")
 
 
 def _check_file_against_model(f, model: Any, tokenizer: Any) -> None:
     check_model(f.model, model, tokenizer, path=f.path)
-    _check_layer_count(len(f.layers), model, f.path)
+    _check_structure(f.layers, model, f.path)
 
 
 def _cache_options(f) -> dict:
@@ -196,10 +198,10 @@ def _cache_options(f) -> dict:
 
 def load_prompt_cache(path: str | os.PathLike, *, model: Any = None, tokenizer: Any = None,
                       return_metadata: bool = False, mode: str | None = None, use_kernels: bool = True):
-    """Load an ``.rvq`` snapshot as a list of :class:`RVQKVCache` (one per layer).
+    """Load an ``.rvq`` snapshot as a list of caches (one per layer, of the kinds that were saved).
 
-    With ``model`` (and ``tokenizer``), a snapshot whose fingerprint differs is refused with
-    :class:`ModelMismatchError`. ``mode`` overrides the stored cache mode (``"packed"``/``"resident"``).
+    With ``model`` (and ``tokenizer``), a snapshot whose fingerprint or layer kinds differ is refused
+    with :class:`ModelMismatchError`. ``mode`` overrides the stored cache mode (``"packed"``/``"resident"``).
     With ``return_metadata`` returns ``(caches, metadata)``.
     """
     with open_rvq(path) as f:
@@ -210,39 +212,23 @@ def load_prompt_cache(path: str | os.PathLike, *, model: Any = None, tokenizer: 
     return (caches, meta) if return_metadata else caches
 
 
-def _read_caches(f, *, mode: str | None, use_kernels: bool) -> list[RVQKVCache]:
-    if f.quantizer is None:
-        raise RVQError(f"{f.path}: no quantizer in this file")
-    codec = RVQCodec.from_header(f.quantizer, use_kernels=use_kernels)
+def _read_caches(f, *, mode: str | None, use_kernels: bool) -> list:
+    if mode is not None and mode not in ("packed", "resident"):
+        raise ValueError(f"mode must be 'packed' or 'resident', got {mode!r}")
     opts = _cache_options(f)
-    kw = dict(bits=codec.bits, seed=codec.seed, residual=codec.residual if codec.bits2 else "conditional",
-              mode=mode or opts["mode"], dense_window=opts["dense_window"], flush_block=opts["flush_block"],
-              use_kernels=use_kernels)
-    caches = []
-    for layer in f.layers:
-        if layer.kind != "rvq":
-            raise RVQError(f"{f.path}: layer {layer.index} is {layer.kind!r}; this version loads rvq layers only")
-        if layer.head_dim != codec.dim:
-            raise RVQError(f"{f.path}: layer {layer.index} head dim {layer.head_dim} != quantizer dim {codec.dim}")
-        a = f.layer_arrays(layer.index, as_mx=True)
-        caches.append(RVQKVCache.from_packed(
-            keys=(a["keys.scales"], a["keys.codes1"], a.get("keys.codes2")),
-            values=(a["values.scales"], a["values.codes1"], a.get("values.codes2")),
-            dense_keys=a.get("keys.dense"), dense_values=a.get("values.dense"),
-            dtype=_DTYPE_BY_NAME[layer.key_dtype], head_dims=(layer.head_dim, layer.head_dim),
-            key_codec=codec, value_codec=codec, **kw))
-    return caches
+    return decode_snapshot(f, mode=mode or opts["mode"], opts=opts, use_kernels=use_kernels)
 
 
 @dataclass
 class ResumeResult:
-    """What :func:`resume` found: caches trimmed to the reused prefix and the tokens left to compute."""
+    """What :func:`resume` found: caches cut back to the reused prefix and the tokens left to compute."""
 
-    cache: list[RVQKVCache]
-    reused: int  # prompt tokens whose keys/values come from the file
+    cache: list
+    reused: int  # prompt tokens whose keys/values (or state) come from the file
     remaining: list[int]  # prompt tokens still to run through the model (never empty)
     stored: int  # tokens the file held
     metadata: dict[str, str] = field(default_factory=dict)
+    reason: str = ""  # why ``reused`` stops where it does
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -254,10 +240,12 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 def resume(path: str | os.PathLike, prompt_tokens: Sequence[int], model: Any = None, *, tokenizer: Any = None,
            mode: str | None = None, use_kernels: bool = True) -> ResumeResult:
-    """Reuse the longest common prefix of ``prompt_tokens`` with the snapshot's tokens.
+    """Reuse the longest prefix of ``prompt_tokens`` shared with the snapshot that every layer can resume at.
 
     At least one prompt token is always left to compute (the model needs it to produce logits), so a
-    prompt equal to the stored tokens reuses all but its last token.
+    prompt equal to the stored tokens reuses all but its last token. Layers limit how far back they can
+    go: a sliding window that has moved cannot rewind below what its next token attends to, a recurrent
+    state is reusable only at its exact length (then nothing is reused); ``reason`` says which limit hit.
     """
     prompt = [int(t) for t in prompt_tokens]
     if not prompt:
@@ -268,13 +256,19 @@ def resume(path: str | os.PathLike, prompt_tokens: Sequence[int], model: Any = N
             raise NoTokensError(f"{os.fspath(path)}: the snapshot stores no token ids, so no prefix can be matched")
         if model is not None:
             _check_file_against_model(f, model, tokenizer)
-        p = min(common_prefix_length(stored, prompt), len(prompt) - 1)
+        shared = common_prefix_length(stored, prompt)
         caches = _read_caches(f, mode=mode, use_kernels=use_kernels)
         meta = dict(f.metadata)
         n_stored = len(stored)
-    for c in caches:
-        c.trim(c.offset - p)
-    return ResumeResult(caches, p, prompt[p:], n_stored, meta)
+    p = min(shared, len(prompt) - 1)
+    if shared < n_stored:
+        reason = f"the prompt differs from the stored tokens at token {shared}"
+    elif p < shared:
+        reason = "the prompt is the stored tokens: its last token is computed again for its logits"
+    else:
+        reason = "every stored token is reused"
+    reused, why = longest_valid_prefix(caches, p, n_stored)
+    return ResumeResult(cut_to(caches, reused), reused, prompt[reused:], n_stored, meta, why or reason)
 
 
 def make_prompt_cache(model: Any, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0, residual: str = "conditional",

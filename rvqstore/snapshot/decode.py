@@ -1,0 +1,59 @@
+"""``.rvq`` layer maps + sections -> caches (the inverse of :mod:`.encode`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..cache import RVQKVCache
+from ..errors import RVQError
+from ..rotating_cache import RVQRotatingKVCache
+
+_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def _sides(a: dict) -> dict:
+    return {side: (a[f"{side}.scales"], a[f"{side}.codes1"], a.get(f"{side}.codes2")) for side in ("keys", "values")}
+
+
+def _codec_settings(key_codec, mode: str, use_kernels: bool) -> dict:
+    return dict(bits=key_codec.bits, seed=key_codec.seed,
+                residual=key_codec.residual if key_codec.bits2 else "conditional", mode=mode, use_kernels=use_kernels)
+
+
+def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool) -> Any:
+    """The cache of one layer map (a list child is given as its LayerInfo)."""
+    from mlx_lm.models import cache as lm
+
+    where = f"{f.path}: layer {layer.index if layer.parent is None else f'{layer.parent}, child {layer.index}'}"
+    if layer.kind == "list":
+        return lm.CacheList(*(decode_layer(f, ch, mode=mode, opts=opts, use_kernels=use_kernels)
+                              for ch in layer.children))
+    a = f.layer_arrays(layer, as_mx=True)
+    if layer.kind == "arrays":
+        c = lm.ArraysCache(layer.n_arrays)
+        for k, arr in ((int(kind.split(".", 1)[1]), arr) for kind, arr in a.items() if kind.startswith("state.")):
+            c[k] = arr
+        return c
+    if layer.kind not in ("rvq", "rvq-rotating"):
+        raise RVQError(f"{where} is {layer.kind!r}; this version loads rvq, rvq-rotating, arrays and list layers")
+    kc, vc = f.codec_for(layer, "keys", use_kernels=use_kernels), f.codec_for(layer, "values", use_kernels=use_kernels)
+    if (kc.dim, vc.dim) != (layer.head_dim, layer.value_head_dim):
+        raise RVQError(f"{where}: head dims {(layer.head_dim, layer.value_head_dim)} != quantizer dims "
+                       f"{(kc.dim, vc.dim)}")
+    sides = _sides(a)
+    common = dict(keys=sides["keys"], values=sides["values"], dtype=_DTYPES[layer.key_dtype],
+                  head_dims=(layer.head_dim, layer.value_head_dim), key_codec=kc, value_codec=vc,
+                  **_codec_settings(kc, mode, use_kernels))
+    if layer.kind == "rvq":
+        return RVQKVCache.from_packed(dense_keys=a.get("keys.dense"), dense_values=a.get("values.dense"),
+                                      dense_window=opts["dense_window"], flush_block=opts["flush_block"], **common)
+    try:
+        return RVQRotatingKVCache.from_packed(offset=layer.offset, max_size=layer.max_size, keep=layer.keep, **common)
+    except RVQError as e:
+        raise type(e)(f"{where}: {e}") from None
+
+
+def decode_snapshot(f, *, mode: str, opts: dict, use_kernels: bool) -> list:
+    return [decode_layer(f, layer, mode=mode, opts=opts, use_kernels=use_kernels) for layer in f.layers]
