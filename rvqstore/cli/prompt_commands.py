@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from .options import codec_args, encode_prompt, load_model, model_args, read_prompt
+from .options import codec_args, encode_prompt, load_model, model_args, parse_bits, read_prompt
 from .registry import CLIError, subcommand
 
 
@@ -51,7 +51,13 @@ def cmd_cache_prompt(args: argparse.Namespace) -> int:
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt-cache", required=True, help="the .rvq file from cache-prompt")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-cache", help="the .rvq file from cache-prompt")
+    src.add_argument("--store", metavar="URL",
+                     help="a prefix store (directory or s3://bucket/prefix): the text is the whole prompt; its longest "
+                          "stored prefix is reused, the rest computed, and the new blocks stored")
+    p.add_argument("--block-size", type=int, default=None, help="with --store: tokens per block (default 64)")
+    p.add_argument("--bits", type=parse_bits, default=None, help="with --store: codec bits of the stored blocks (default 4+2)")
     p.add_argument("--prompt", default=None, help="text to append after the cached prompt")
     p.add_argument("--prompt-file", default=None, help="file holding that text ('-' for stdin)")
     p.add_argument("--full-prompt", action="store_true",
@@ -67,6 +73,10 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 @subcommand("generate", help="resume a cached prompt from .rvq and continue generating",
             configure=_generate_args)
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.store is not None:
+        from .store_generate import generate_with_store
+
+        return generate_with_store(args)
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 

@@ -95,7 +95,7 @@ def encode_range(cache: Sequence[Any], start: int, end: int, settings: tuple) ->
     memo: dict = {}
     runs = []
     for i, c in enumerate(cache):
-        if isinstance(c, RVQKVCache):
+        if type(c) is RVQKVCache:  # subclasses may hold other kinds of state
             runs.append(_rvq_range(c, i, start, end, settings))
             continue
         kv = dense_keys_values(c) if _plain_kind(c) else None
@@ -263,3 +263,35 @@ def assemble(blocks: Sequence[BlockData], codec_header: dict, *, mode: str, use_
                                              dense_values=None, dtype=runs[0].dtype, head_dims=(dim, dim),
                                              key_codec=codec, value_codec=codec, **kw))
     return caches
+
+
+def read_block_tokens(backend, path: str) -> np.ndarray | None:
+    """A block's token ids alone, checksum-verified: the preamble, the header and the token section,
+    through ranged reads where the backend and ``open_rvq`` allow it; None if the block is gone."""
+    local = backend.local_path(path)
+    if local is not None:
+        try:
+            with open_rvq(local) as f:
+                ids = f.tokens()
+        except FileNotFoundError:
+            return None
+        return None if ids is None else np.array(ids, dtype=np.int64)
+    ranged = getattr(backend, "range_source", None)
+    if ranged is not None:
+        src = ranged(path)
+        if src is None:
+            return None
+        try:
+            f = open_rvq(src)
+        except TypeError:  # open_rvq without range sources: fetch the object whole
+            f = None
+        if f is not None:
+            with f:
+                ids = f.tokens()
+            return None if ids is None else np.array(ids, dtype=np.int64)
+    data = backend.get(path)
+    if data is None:
+        return None
+    with open_block_bytes(data, path) as f:
+        ids = f.tokens()
+    return None if ids is None else np.array(ids, dtype=np.int64)

@@ -24,7 +24,8 @@ from ..codec import DEFAULT_BITS, RVQCodec, _parse_bits
 from ..format import open_rvq
 from ..errors import RVQError
 from .backend import Backend, open_backend
-from .blocks import BlockData, assemble, decode_block, encode_block, encode_range, open_block_bytes
+from .blocks import (BlockData, LayerRun, assemble, decode_block, encode_block, encode_range, open_block_bytes,
+                     read_block_tokens)
 from .errors import CorruptBlockError, StoreConfigError
 from .index import GCPlan, run_gc, scan
 from .keys import (block_key, block_path, chain_keys, children_prefix, namespace_id, namespace_info,
@@ -37,14 +38,18 @@ DEFAULT_BLOCK_SIZE = 64
 
 @dataclass(frozen=True)
 class BlockRef:
+    """A stored block on a lookup's path; it covers tokens [start, end) of the query. A partial ref
+    (``n_block > end - start``) uses only the first ``end - start`` of the block's tokens."""
+
     start: int
     end: int
     parent: str
     key: str
+    n_block: int
 
     @property
-    def n_tokens(self) -> int:
-        return self.end - self.start
+    def partial(self) -> bool:
+        return self.n_block > self.end - self.start
 
 
 @dataclass
@@ -111,6 +116,7 @@ class PrefixStore:
         self.stats = StoreStats()
         self._quantizers: dict[int, dict] = {}  # head dim -> quantizer header map
         self._ns_published = False
+        self._token_memo: dict[str, np.ndarray] = {}  # block key -> its token ids (immutable)
         self._lock = threading.Lock()
 
     # ---- lookups ------------------------------------------------------------------------------------
@@ -147,28 +153,67 @@ class PrefixStore:
                     if not ok:
                         stopped = True
                         break
-                    path.append(BlockRef(s, e, parent, k))
+                    path.append(BlockRef(s, e, parent, k, e - s))
                     parent, pos = k, e
                 if stopped:
                     break
             if pos >= n:
                 break
             # a shorter child (a tail) that continues the prefix
-            tails = []
-            for o in self.backend.list(children_prefix(self.ns, parent)):
-                name = parse_block_path(o.path)
-                if name is not None and name.n_tokens < self.block_size and pos + name.n_tokens <= n:
-                    tails.append(name)
+            children = [c for c in (parse_block_path(o.path) for o in self.backend.list(children_prefix(self.ns, parent)))
+                        if c is not None]
             best = None
-            for name in sorted(tails, key=lambda t: -t.n_tokens):
-                if block_key(parent, tokens[pos:pos + name.n_tokens]) == name.key:
+            for name in sorted(children, key=lambda t: -t.n_tokens):
+                if (name.n_tokens < self.block_size and pos + name.n_tokens <= n
+                        and block_key(parent, tokens[pos:pos + name.n_tokens]) == name.key):
                     best = name
                     break
             if best is None:
+                # no child is a prefix of the rest: the child sharing the most leading tokens, used in part
+                part = self._best_partial(children, tokens[pos:])
+                if part is not None:
+                    name, m = part
+                    path.append(BlockRef(pos, pos + m, parent, name.key, name.n_tokens))
                 break
-            path.append(BlockRef(pos, pos + best.n_tokens, parent, best.key))
+            path.append(BlockRef(pos, pos + best.n_tokens, parent, best.key, best.n_tokens))
             parent, pos = best.key, pos + best.n_tokens
         return path
+
+    def _best_partial(self, children, rest: np.ndarray):
+        """``(child, m)``: the child whose token ids share the longest run ``m >= 1`` with ``rest``
+        (its token ids are read with a ranged read of its header and token section, once per
+        process: a block's content never changes), or None."""
+        best, best_m = None, 0
+        for name in children:
+            if not len(rest) or (name.n_tokens <= best_m):
+                continue
+            ids = self._block_tokens(name)
+            if ids is None:
+                continue
+            from ..prompt_cache import common_prefix_length
+
+            m = min(common_prefix_length(ids, rest), name.n_tokens)
+            if m > best_m:
+                best, best_m = name, m
+        return (best, best_m) if best is not None else None
+
+    def _block_tokens(self, name) -> np.ndarray | None:
+        with self._lock:
+            hit = self._token_memo.get(name.key)
+        if hit is not None:
+            return hit
+        try:
+            ids = read_block_tokens(self.backend, name.path)
+        except (RVQError, OSError) as e:
+            log.warning("prefix store %s: cannot read the token ids of %s: %s", self.url, name.path, e)
+            return None
+        if ids is None or len(ids) != name.n_tokens or block_key(name.parent, ids) != name.key:
+            return None  # gone, or not the block its name says (verify/lookup will deal with it)
+        with self._lock:
+            if len(self._token_memo) > 4096:
+                self._token_memo.clear()
+            self._token_memo[name.key] = ids
+        return ids
 
     def stored_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of ``tokens`` the store holds (existence checks only, no block read)."""
@@ -177,7 +222,13 @@ class PrefixStore:
         return refs[-1].end if refs else 0
 
     def _read_block(self, ref: BlockRef, tokens: np.ndarray) -> BlockData:
-        p = block_path(self.ns, ref.parent, ref.key, ref.n_tokens)
+        p = block_path(self.ns, ref.parent, ref.key, ref.n_block)
+        expect = tokens[ref.start:ref.end]
+        if ref.partial:  # the block's own ids, authenticated by its key when the walk read them
+            with self._lock:
+                expect = self._token_memo.get(ref.key)
+            if expect is None:
+                raise _Missing(p)
         local = self.backend.local_path(p)
         if local is not None:
             try:
@@ -198,8 +249,12 @@ class PrefixStore:
                 raise CorruptBlockError(f"block {ref.key}: {e}") from None
         with f:
             dim = f.layers[0].head_dim if f.layers else 0
-            out = decode_block(f, key=ref.key, parent=ref.parent, tokens=tokens[ref.start:ref.end],
+            out = decode_block(f, key=ref.key, parent=ref.parent, tokens=expect,
                                quantizer=self._quantizer(dim), n_layers=self.n_layers)
+        if ref.partial:
+            m = ref.end - ref.start
+            out = BlockData([LayerRun(r.keys.slice(0, m), r.values.slice(0, m), r.dtype, r.head_dim)
+                             for r in out.layers], m)
         # evaluate in this thread: MLX streams are per thread, the caller's thread cannot run our ops
         mx.eval([a for r in out.layers for p in (r.keys, r.values) for a in (p.scales, p.codes1, p.codes2)
                  if a is not None])
@@ -253,7 +308,7 @@ class PrefixStore:
         with self._lock:
             self.stats.corrupt_blocks += 1
             self.stats.errors.append(str(err))
-        self.backend.delete(block_path(self.ns, ref.parent, ref.key, ref.n_tokens))
+        self.backend.delete(block_path(self.ns, ref.parent, ref.key, ref.n_block))
 
     def _mark_used(self, key: str) -> None:
         try:
@@ -281,15 +336,26 @@ class PrefixStore:
         held = min(_held(c, i) for i, c in enumerate(cache))
         n = min(len(toks), held)
         refs = self._walk(toks[:n])
-        have = refs[-1].end if refs else 0
-        parent = refs[-1].key if refs else self.ns
-        if have >= n:
-            return PutResult(have, 0, 0, 0)
+        if refs and refs[-1].partial:
+            # the prompt leaves a stored block midway: store the shared part as a short block of its
+            # own and branch there, so later prompts with this prefix share it (a radix split)
+            refs = refs[:-1] + [BlockRef(refs[-1].start, refs[-1].end, refs[-1].parent, "", 0)]
+            have, parent = refs[-1].start, refs[-1].parent
+            split = refs[-1].end
+            if split >= n:  # the whole prompt lies inside stored blocks
+                return PutResult(split, 0, 0, 0)
+        else:
+            have = refs[-1].end if refs else 0
+            parent = refs[-1].key if refs else self.ns
+            split = None
+            if have >= n:
+                return PutResult(have, 0, 0, 0)
         runs = encode_range(cache, have, n, self._settings())  # validates kinds and settings first
         self._publish_namespace()
         plan = []
-        for s in range(have, n, self.block_size):
-            e = min(n, s + self.block_size)
+        bounds = [have] + ([split] if split is not None and split < n else []) + list(
+            range((split if split is not None else have) + self.block_size, n, self.block_size)) + [n]
+        for s, e in zip(bounds[:-1], bounds[1:]):
             key = block_key(parent, toks[s:e])
             plan.append((s, e, parent, key))
             parent = key
@@ -313,7 +379,8 @@ class PrefixStore:
         with self._lock:
             self.stats.blocks_written += len(new)
             self.stats.bytes_written += sum(new)
-        return PutResult(have, n - have, len(new), sum(new))
+        before = split if split is not None else have
+        return PutResult(before, n - before, len(new), sum(new))
 
     # ---- maintenance --------------------------------------------------------------------------------
     def gc(self, max_bytes: int | None = None) -> GCPlan:
