@@ -14,8 +14,10 @@ import struct
 MAGIC = b"\x89RVQ\r\n\x1a\n"
 
 FORMAT_MAJOR = 1
-#: The newest minor version this implementation writes.  Readers accept any minor of major 1.
-FORMAT_MINOR = 0
+#: The newest minor version this implementation writes.  Readers accept any minor of major 1.  A file
+#: that uses no 1.1 feature is still written as 1.0 (the oldest version that holds the data).
+FORMAT_MINOR = 1
+FORMAT_MINOR_BASE = 0
 
 #: ``<`` little-endian: magic 8s, major H, minor H, flags I, header_offset Q, header_length Q,
 #: header_checksum Q, file_length Q, reserved Q, preamble_checksum Q.
@@ -34,11 +36,22 @@ ALIGNMENT = 64
 
 # ---- header ----------------------------------------------------------------------------------------
 #: Names a reader may find in ``required_features`` and still read the file.
-KNOWN_FEATURES = frozenset({"zstd"})
+FEATURE_ZSTD = "zstd"
+FEATURE_PER_SIDE_GEOMETRY = "per-side-geometry"
+FEATURE_QUANTIZER_TABLE = "quantizer-table"
+FEATURE_LAYER_KINDS = "layer-kinds"
+#: Reserved for issue 11 (section codec "rans"); not implemented, so a file needing it is refused.
+FEATURE_ENTROPY_CODED = "entropy-coded"
+#: The features of revision 1.1: a file listing any of them is written as version [1, 1].
+FEATURES_1_1 = (FEATURE_PER_SIDE_GEOMETRY, FEATURE_QUANTIZER_TABLE, FEATURE_LAYER_KINDS)
+KNOWN_FEATURES = frozenset({FEATURE_ZSTD, *FEATURES_1_1})
 
 CODEC_RAW = "raw"
 CODEC_ZSTD = "zstd"
 CODECS = (CODEC_RAW, CODEC_ZSTD)
+#: Reserved name of the entropy-coded section codec (feature "entropy-coded"); readers of this
+#: version refuse the feature before they ever see a section with this codec.
+CODEC_RANS = "rans"
 
 #: Element types: name -> (numpy dtype string used to view the bytes, item size).  "bfloat16" is
 #: viewed as its raw little-endian uint16 bit patterns (numpy has no bfloat16).
@@ -59,7 +72,16 @@ DTYPES: dict[str, tuple[str, int]] = {
 #: dtypes a KV layer's original keys/values (and its dense sections) may have.
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 
-LAYER_KINDS = ("rvq", "dense")
+LAYER_KINDS_1_0 = ("rvq", "dense")
+#: Kinds added by feature "layer-kinds": a sliding-window ring, recurrent state arrays, a list of caches.
+LAYER_RVQ_ROTATING = "rvq-rotating"
+LAYER_ARRAYS = "arrays"
+LAYER_LIST = "list"
+LAYER_KINDS = LAYER_KINDS_1_0 + (LAYER_RVQ_ROTATING, LAYER_ARRAYS, LAYER_LIST)
+#: Kinds whose layer map carries batch / n_kv_heads / head_dim / dtypes and keys/values sections.
+ATTENTION_KINDS = ("rvq", "dense", LAYER_RVQ_ROTATING)
+#: Kinds whose keys and values are rvq-coded (codes + scales sections, a quantizer per side).
+CODED_KINDS = ("rvq", LAYER_RVQ_ROTATING)
 
 KIND_TOKENS = "tokens"
 CODE_KINDS = ("keys.codes1", "keys.codes2", "values.codes1", "values.codes2")
@@ -68,6 +90,9 @@ DENSE_KINDS = ("keys.dense", "values.dense")
 #: Section kinds this version understands.  Sections of any other kind are skipped by readers (they
 #: still obey every container rule: layout, limits, checksum).
 KNOWN_KINDS = (KIND_TOKENS,) + CODE_KINDS + SCALE_KINDS + DENSE_KINDS
+#: With feature "layer-kinds": ``state.<k>`` (slot k of an arrays layer) and ``c<j>.<kind>`` (a kind of
+#: child j of a list layer).  Decimal, no leading zeros.
+STATE_KIND_PREFIX = "state."
 
 # ---- limits ----------------------------------------------------------------------------------------
 MAX_HEADER_LENGTH = 16 * 1024 * 1024
@@ -83,9 +108,25 @@ MAX_HEADS = 1 << 16
 MAX_HEAD_DIM = 1 << 16
 MAX_TOKENS = (1 << 31) - 1
 MAX_DEPTH = 32  # nesting of maps/lists in the header
+#: msgpack objects in the header: every array element and every map key and value counts (the
+#: header map itself does not).  65536 sections with 8-dim shapes and 4096 layers need ~2.0M.
+MAX_HEADER_OBJECTS = 1 << 21
+#: Longest array / map (entries) anywhere in the header: the section table is the longest there is.
+MAX_CONTAINER_LENGTH = MAX_SECTIONS
+MAX_ARRAYS_SLOTS = 64  # n_arrays of an arrays layer
+MAX_CHILDREN = 64  # children of a list layer
+MAX_QUANTIZERS = MAX_LAYERS * 2  # entries of the quantizers table
+MAX_OFFSET = (1 << 63) - 1  # a rotating layer's absolute token count
 #: A zstd section's raw_length may be at most this many times its stored length.  Bounds what a
 #: reader allocates to MAX_ZSTD_RATIO x the file size.
 MAX_ZSTD_RATIO = 32
+#: Decoding rvq codes amplifies at most this much per stored byte of codes + scales (1-bit codes
+#: decoded to float32: 32 bits out per bit in).  With zstd on top, a load allocates at most
+#: MAX_ZSTD_RATIO * MAX_DECODE_RATIO = 1024x the file size; loaders bound it with a limit instead.
+MAX_DECODE_RATIO = 32
+#: Default limit on the bytes a load decodes (keys + values + state + tokens); raise it per call or
+#: with the environment variable RVQSTORE_MAX_DECODED_BYTES.
+DEFAULT_MAX_DECODED_BYTES = 16 << 30
 MAX_U64 = (1 << 64) - 1
 MAX_FILE_LENGTH = (1 << 63) - 1
 

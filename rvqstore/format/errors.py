@@ -60,6 +60,10 @@ class TrailingDataError(LayoutError):
     """The file holds bytes after the end its preamble declares."""
 
 
+class NotRegularFileError(FormatError):
+    """The path is a FIFO, device, socket or directory: refused without reading (or blocking on) it."""
+
+
 class MalformedSectionError(FormatError):
     """A section's stored bytes (e.g. its zstd frame) do not decode to what the header declares."""
 
@@ -83,5 +87,6 @@ __all__ = [
     "LayoutError",
     "TrailingDataError",
     "MalformedSectionError",
+    "NotRegularFileError",
     "SectionNotFoundError",
 ]

@@ -72,29 +72,72 @@ class SectionInfo:
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """One entry of the ``layers`` list, validated, with the names of its sections by kind."""
+    """One entry of the ``layers`` list (or one child of a ``list`` layer), validated.
+
+    ``sections`` maps a section kind to its section's name; for a child of a ``list`` layer the kinds
+    are given without their ``c<j>.`` prefix.  Attention kinds (``rvq``, ``dense``, ``rvq-rotating``)
+    fill ``batch`` .. ``value_dtype``; ``arrays`` and ``list`` layers leave them None.
+    """
 
     index: int
-    kind: str  # "rvq" or "dense"
-    batch: int
-    n_kv_heads: int
-    head_dim: int
+    kind: str  # one of constants.LAYER_KINDS
+    batch: int | None
+    n_kv_heads: int | None
+    head_dim: int | None
     n_tokens: int
     n_dense_tokens: int
-    key_dtype: str
-    value_dtype: str
+    key_dtype: str | None
+    value_dtype: str | None
     sections: Mapping[str, str] = field(default_factory=dict)  # kind -> section name
+    value_head_dim: int | None = None  # == head_dim unless feature per-side-geometry says otherwise
+    key_quantizer: int | None = None  # index into header.quantizers (feature quantizer-table)
+    value_quantizer: int | None = None
+    max_size: int | None = None  # rvq-rotating: capacity including the `keep` sink tokens
+    keep: int | None = None  # rvq-rotating: sink tokens
+    offset: int | None = None  # rvq-rotating: tokens the layer has seen (>= n_tokens)
+    n_arrays: int | None = None  # arrays: slots
+    children: tuple["LayerInfo", ...] = ()  # list: child layers
+    parent: int | None = None  # a list child: index of its list layer (its sections carry that index)
 
     @property
     def n_quantized_tokens(self) -> int:
         return self.n_tokens - self.n_dense_tokens
 
+    @property
+    def is_attention(self) -> bool:
+        return self.kind in C.ATTENTION_KINDS
+
+    @property
+    def is_coded(self) -> bool:
+        """Keys and values are rvq codes (kinds ``rvq`` and ``rvq-rotating``)."""
+        return self.kind in C.CODED_KINDS
+
+    def side_head_dim(self, side: str) -> int | None:
+        """Head dim of ``"keys"`` or ``"values"``."""
+        return self.head_dim if side == "keys" else self.value_head_dim
+
+    def side_dtype(self, side: str) -> str | None:
+        return self.key_dtype if side == "keys" else self.value_dtype
+
+    def state_sections(self) -> dict[int, str]:
+        """arrays layers: slot -> section name (empty slots are absent)."""
+        return {int(k[len(C.STATE_KIND_PREFIX):]): v for k, v in self.sections.items()
+                if k.startswith(C.STATE_KIND_PREFIX)}
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index, "kind": self.kind, "batch": self.batch, "n_kv_heads": self.n_kv_heads,
-            "head_dim": self.head_dim, "n_tokens": self.n_tokens, "n_dense_tokens": self.n_dense_tokens,
-            "key_dtype": self.key_dtype, "value_dtype": self.value_dtype,
-        }
+        d: dict[str, Any] = {"index": self.index, "kind": self.kind, "n_tokens": self.n_tokens}
+        if self.is_attention:
+            d.update({"batch": self.batch, "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim,
+                      "n_dense_tokens": self.n_dense_tokens, "key_dtype": self.key_dtype,
+                      "value_dtype": self.value_dtype})
+            if self.value_head_dim != self.head_dim:
+                d["value_head_dim"] = self.value_head_dim
+        for k in ("key_quantizer", "value_quantizer", "max_size", "keep", "offset", "n_arrays"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        if self.kind == C.LAYER_LIST:
+            d["children"] = [c.to_dict() for c in self.children]
+        return d
 
 
 @dataclass(frozen=True)
@@ -115,10 +158,37 @@ class Header:
     header_offset: int
     header_length: int
     file_length: int
+    quantizers: tuple[dict, ...] | None = None  # feature quantizer-table (then `quantizer` is None)
+
+    def has_feature(self, name: str) -> bool:
+        return name in self.required_features
+
+    def quantizer_for(self, layer: "LayerInfo", side: str) -> dict | None:
+        """The quantizer map that codes ``side`` ("keys"/"values") of a coded layer (None otherwise).
+
+        Version 1.0 files (and 1.1 files without ``quantizer-table``) have one map for every layer;
+        with ``quantizer-table`` each side names its entry of ``quantizers``.
+        """
+        if side not in ("keys", "values"):
+            raise ValueError(f"side must be 'keys' or 'values', got {side!r}")
+        if not layer.is_coded:
+            return None
+        if self.quantizers is None:
+            return self.quantizer
+        idx = layer.key_quantizer if side == "keys" else layer.value_quantizer
+        return self.quantizers[idx]
+
+    def all_layers(self):
+        """Every layer map, list children included (after their list layer)."""
+        for layer in self.layers:
+            yield layer
+            yield from layer.children
 
 
-#: Signature of a content validator for the ``quantizer`` map: (quantizer, layers, sections, path).
-QuantizerCheck = Callable[[dict, "tuple[LayerInfo, ...]", "tuple[SectionInfo, ...]", str | None], None]
+#: Signature of a content validator for the quantizer map(s): (quantizer, layers, sections, path), where
+#: ``quantizer`` is the ``quantizer`` map, or with feature quantizer-table the tuple of ``quantizers``.
+QuantizerCheck = Callable[["dict | tuple[dict, ...]", "tuple[LayerInfo, ...]", "tuple[SectionInfo, ...]",
+                           str | None], None]
 
 
 # ---- strict msgpack ---------------------------------------------------------------------------------
@@ -156,18 +226,63 @@ def _check_tree(obj: Any, depth: int) -> None:
         raise _Refused(f"value of msgpack type {t.__name__} is not allowed")
 
 
+class _Budget:
+    """Counts decoded msgpack objects through the unpacker's hooks and stops past MAX_HEADER_OBJECTS.
+
+    The hooks run as each array / map is completed, so an oversized header is refused after at most
+    MAX_HEADER_OBJECTS objects were built (bounded time and memory), not after all of them.
+    """
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def add(self, k: int) -> None:
+        self.n += k
+        if self.n > C.MAX_HEADER_OBJECTS:
+            raise _TooMany(f"header holds more than {C.MAX_HEADER_OBJECTS} msgpack objects")
+
+    def pairs(self, pairs):
+        self.add(2 * len(pairs))
+        return _pairs_hook(pairs)
+
+    def array(self, items):
+        self.add(len(items))
+        return items
+
+
+class _TooMany(ValueError):
+    pass
+
+
 def decode_header(data: bytes, path: str | None = None) -> dict:
-    """Decode header bytes strictly; anything off raises :class:`MalformedHeaderError`."""
+    """Decode header bytes strictly; anything off raises :class:`MalformedHeaderError`.
+
+    Bounded while decoding (spec section 12): no array or map longer than MAX_CONTAINER_LENGTH, no
+    string or binary longer than the header, at most MAX_HEADER_OBJECTS objects in all
+    (:class:`LimitExceededError`).
+    """
+    budget = _Budget()
+    n = len(data)
     try:
         obj = msgpack.unpackb(
             data, raw=False, use_list=True, strict_map_key=False,
-            object_pairs_hook=_pairs_hook, ext_hook=_ext_hook,
+            object_pairs_hook=budget.pairs, list_hook=budget.array, ext_hook=_ext_hook,
+            max_str_len=n, max_bin_len=n, max_ext_len=n,
+            max_array_len=C.MAX_CONTAINER_LENGTH, max_map_len=C.MAX_CONTAINER_LENGTH,
         )
         _check_tree(obj, 1)
+    except _TooMany as e:
+        raise LimitExceededError(path, f"header: {e}") from None
     except _Refused as e:
         raise MalformedHeaderError(path, f"header: {e}") from None
     except MemoryError:  # pragma: no cover - lengths are capped by the buffer size
         raise LimitExceededError(path, "header: msgpack declares more data than it holds") from None
+    except ValueError as e:
+        msg = str(e) or type(e).__name__
+        if " exceeds max_" in msg:  # msgpack's own length limits
+            raise LimitExceededError(path, f"header: an array or map is longer than "
+                                           f"{C.MAX_CONTAINER_LENGTH} entries ({msg})") from None
+        raise MalformedHeaderError(path, f"header is not valid msgpack ({type(e).__name__}: {msg})") from None
     except Exception as e:  # noqa: BLE001 - any failure to decode untrusted bytes is "malformed"
         msg = str(e) or type(e).__name__
         raise MalformedHeaderError(path, f"header is not valid msgpack ({type(e).__name__}: {msg})") from None
@@ -347,31 +462,32 @@ def parse_header(
         _str(path, f"header.metadata[{k!r}]", v, max_len=None)
     quantizer = _need(path, "header", obj, "quantizer")
     if quantizer is not None:
-        _map(path, "header.quantizer", quantizer)
-        _str(path, "header.quantizer.name", _need(path, "header.quantizer", quantizer, "name"))
-        _int(path, "header.quantizer.version", _need(path, "header.quantizer", quantizer, "version"), 0,
-             C.MAX_U64, limit_hi=False)
+        _check_quantizer_head(path, "header.quantizer", quantizer)
+    quantizers = _parse_quantizer_table(path, obj, feats, quantizer)
 
     # H6: layers and their sections
-    layers = _parse_layers(path, layer_rows, sections, n_tokens, quantizer)
+    layers = _parse_layers(path, layer_rows, sections, n_tokens, quantizer, quantizers, frozenset(feats))
 
     # H7: container-wide rules that join several keys
-    if any(s.codec == C.CODEC_ZSTD for s in sections) and "zstd" not in feats:
+    if any(s.codec == C.CODEC_ZSTD for s in sections) and C.FEATURE_ZSTD not in feats:
         raise MalformedHeaderError(path, "a section uses codec 'zstd' but required_features lacks 'zstd'")
 
-    # H8: the quantizer's own rules
-    if quantizer is not None and quantizer_check is not None:
+    # H8: the quantizers' own rules
+    table: "dict | tuple[dict, ...] | None" = quantizer if quantizers is None else quantizers
+    if table and quantizer_check is not None:
         try:
-            quantizer_check(quantizer, layers, sections, path)
+            quantizer_check(table, layers, sections, path)
         except FormatError:
             raise
         except Exception as e:  # noqa: BLE001 - a content validator rejecting the map
-            raise MalformedHeaderError(path, f"header.quantizer: {e}") from None
+            where = "header.quantizer" if quantizers is None else "header.quantizers"
+            raise MalformedHeaderError(path, f"{where}: {e}") from None
 
     return Header(
         major=major, minor=minor, flags=flags, required_features=tuple(feats), sections=sections,
         layers=layers, n_tokens=n_tokens, quantizer=quantizer, model=model, metadata=metadata, raw=obj,
         header_offset=header_offset, header_length=header_length, file_length=file_length,
+        quantizers=quantizers,
     )
 
 
@@ -442,14 +558,52 @@ def check_layout(sections, header_offset: int, path=None) -> None:
                   f"(expected offset {want})")
 
 
-def _parse_layers(path, rows: list, sections, n_tokens: int, quantizer) -> tuple[LayerInfo, ...]:
+def _check_quantizer_head(path, where: str, q: Any) -> None:
+    _map(path, where, q)
+    _str(path, f"{where}.name", _need(path, where, q, "name"))
+    _int(path, f"{where}.version", _need(path, where, q, "version"), 0, C.MAX_U64, limit_hi=False)
+
+
+def _parse_quantizer_table(path, obj: dict, feats, quantizer) -> tuple[dict, ...] | None:
+    """Feature quantizer-table: ``quantizers`` is an array of quantizer maps and ``quantizer`` is nil."""
+    if C.FEATURE_QUANTIZER_TABLE not in feats:
+        if "quantizers" in obj:
+            raise MalformedHeaderError(path, "header.quantizers needs the required feature 'quantizer-table'")
+        return None
+    if quantizer is not None:
+        raise MalformedHeaderError(path, "header.quantizer must be nil when the file uses 'quantizer-table'")
+    rows = _list(path, "header.quantizers", _need(path, "header", obj, "quantizers"), C.MAX_QUANTIZERS)
+    for i, q in enumerate(rows):
+        _check_quantizer_head(path, f"header.quantizers[{i}]", q)
+    return tuple(rows)
+
+
+_STATE_RE = re.compile(r"state\.(0|[1-9][0-9]{0,5})\Z")
+_CHILD_RE = re.compile(r"c(0|[1-9][0-9]{0,5})\.(.+)\Z")
+
+
+def _base_kind_known(kind: str, layer_kinds: bool) -> bool:
+    return kind in C.KNOWN_KINDS or (layer_kinds and _STATE_RE.match(kind) is not None)
+
+
+def _kind_known(kind: str, layer_kinds: bool) -> bool:
+    """Known section kinds; ``state.<k>`` and ``c<j>.<kind>`` only with feature layer-kinds."""
+    if _base_kind_known(kind, layer_kinds):
+        return True
+    m = _CHILD_RE.match(kind) if layer_kinds else None
+    return m is not None and _base_kind_known(m.group(2), True)
+
+
+def _parse_layers(path, rows: list, sections, n_tokens: int, quantizer, quantizers,
+                  feats: frozenset) -> tuple[LayerInfo, ...]:
     n_layers = len(rows)
+    layer_kinds = C.FEATURE_LAYER_KINDS in feats
     by_layer: dict[int, dict[str, SectionInfo]] = {}
     tokens_sec = None
     for s in sections:
         if s.layer >= n_layers:
             raise MalformedHeaderError(path, f"section {s.name!r}: layer {s.layer} but the file has {n_layers} layers")
-        if not s.known:
+        if not _kind_known(s.kind, layer_kinds):
             continue  # unknown kinds are skipped (they obey the container rules only)
         if s.kind == C.KIND_TOKENS:
             if s.layer != -1:
@@ -469,20 +623,84 @@ def _parse_layers(path, rows: list, sections, n_tokens: int, quantizer) -> tuple
             raise MalformedHeaderError(path, f"layer {s.layer} has two {s.kind!r} sections ({d[s.kind].name!r}, {s.name!r})")
         d[s.kind] = s
 
+    ctx = _LayerContext(path, feats, quantizer, quantizers)
     layers = []
     for i, row in enumerate(rows):
         w = f"header.layers[{i}]"
+        layer = ctx.layer_map(w, row, i, allow_list=True)
+        have = by_layer.get(i, {})
+        if layer.kind == C.LAYER_LIST:
+            children = []
+            per_child: dict[int, dict[str, SectionInfo]] = {}
+            for k, s in have.items():
+                m = _CHILD_RE.match(k)
+                if m is None:
+                    raise MalformedHeaderError(path, f"section {s.name!r}: kind {k!r} does not belong to list layer {i} "
+                                                     f"(its sections are c<j>.<kind>)")
+                j = int(m.group(1))
+                if j >= len(layer.children):
+                    raise MalformedHeaderError(path, f"section {s.name!r}: layer {i} has {len(layer.children)} children, "
+                                                     f"no child {j}")
+                per_child.setdefault(j, {})[m.group(2)] = s
+            for j, child in enumerate(layer.children):
+                children.append(ctx.with_sections(f"{w}.children[{j}]", child, per_child.get(j, {}), i))
+            layer = _replace(layer, children=tuple(children),
+                             sections={k: s.name for k, s in have.items()})
+        else:
+            layer = ctx.with_sections(w, layer, have, None)
+        layers.append(layer)
+    return tuple(layers)
+
+
+def _replace(layer: LayerInfo, **kw) -> LayerInfo:
+    import dataclasses
+
+    return dataclasses.replace(layer, **kw)
+
+
+class _LayerContext:
+    """Validation of one layer map and of its sections (spec sections 7.3 and 8)."""
+
+    def __init__(self, path, feats: frozenset, quantizer, quantizers):
+        self.path, self.feats, self.quantizer, self.quantizers = path, feats, quantizer, quantizers
+
+    def _needs(self, w: str, row: dict, key: str, feature: str) -> None:
+        if key in row and feature not in self.feats:
+            raise MalformedHeaderError(self.path, f"{w}.{key} needs the required feature {feature!r}")
+
+    def layer_map(self, w: str, row: Any, position: int, *, allow_list: bool) -> LayerInfo:
+        path = self.path
         row = _map(path, w, row)
         idx = _int(path, f"{w}.index", _need(path, w, row, "index"), 0)
-        if idx != i:
-            raise MalformedHeaderError(path, f"{w}.index is {idx}, must equal its position {i}")
+        if idx != position:
+            raise MalformedHeaderError(path, f"{w}.index is {idx}, must equal its position {position}")
         kind = _str(path, f"{w}.kind", _need(path, w, row, "kind"))
-        if kind not in C.LAYER_KINDS:
-            raise MalformedHeaderError(path, f"{w}.kind {kind!r} is not one of {', '.join(C.LAYER_KINDS)}")
+        if kind not in C.LAYER_KINDS or (kind == C.LAYER_LIST and not allow_list):
+            allowed = [k for k in C.LAYER_KINDS if allow_list or k != C.LAYER_LIST]
+            raise MalformedHeaderError(path, f"{w}.kind {kind!r} is not one of {', '.join(allowed)}")
+        if kind not in C.LAYER_KINDS_1_0 and C.FEATURE_LAYER_KINDS not in self.feats:
+            raise MalformedHeaderError(path, f"{w}.kind {kind!r} needs the required feature 'layer-kinds'")
+        for key in ("value_head_dim",):
+            self._needs(w, row, key, C.FEATURE_PER_SIDE_GEOMETRY)
+        for key in ("key_quantizer", "value_quantizer"):
+            self._needs(w, row, key, C.FEATURE_QUANTIZER_TABLE)
+        if kind == C.LAYER_ARRAYS:
+            nt = _int(path, f"{w}.n_tokens", _need(path, w, row, "n_tokens"), 0, C.MAX_TOKENS)
+            n_arrays = _int(path, f"{w}.n_arrays", _need(path, w, row, "n_arrays"), 1, C.MAX_ARRAYS_SLOTS)
+            return LayerInfo(position, kind, None, None, None, nt, 0, None, None, n_arrays=n_arrays)
+        if kind == C.LAYER_LIST:
+            nt = _int(path, f"{w}.n_tokens", _need(path, w, row, "n_tokens"), 0, C.MAX_TOKENS)
+            rows = _list(path, f"{w}.children", _need(path, w, row, "children"), C.MAX_CHILDREN)
+            children = tuple(self.layer_map(f"{w}.children[{j}]", r, j, allow_list=False) for j, r in enumerate(rows))
+            return LayerInfo(position, kind, None, None, None, nt, 0, None, None, children=children)
+
         batch = _int(path, f"{w}.batch", _need(path, w, row, "batch"), 1, C.MAX_BATCH)
         heads = _int(path, f"{w}.n_kv_heads", _need(path, w, row, "n_kv_heads"), 1, C.MAX_HEADS)
         dim = _int(path, f"{w}.head_dim", _need(path, w, row, "head_dim"), 1, C.MAX_HEAD_DIM)
         nt = _int(path, f"{w}.n_tokens", _need(path, w, row, "n_tokens"), 0, C.MAX_TOKENS)
+        vdim = dim
+        if "value_head_dim" in row:
+            vdim = _int(path, f"{w}.value_head_dim", row["value_head_dim"], 1, C.MAX_HEAD_DIM)
         nd = _int(path, f"{w}.n_dense_tokens", _need(path, w, row, "n_dense_tokens"), 0, C.MAX_TOKENS)
         kd = _str(path, f"{w}.key_dtype", _need(path, w, row, "key_dtype"))
         vd = _str(path, f"{w}.value_dtype", _need(path, w, row, "value_dtype"))
@@ -493,30 +711,60 @@ def _parse_layers(path, rows: list, sections, n_tokens: int, quantizer) -> tuple
             raise MalformedHeaderError(path, f"{w}: n_dense_tokens {nd} exceeds n_tokens {nt}")
         if kind == "dense" and nd != nt:
             raise MalformedHeaderError(path, f"{w}: a dense layer keeps all its tokens dense (n_dense_tokens must be {nt})")
-        if kind == "rvq" and quantizer is None:
-            raise MalformedHeaderError(path, f"{w} is an rvq layer but header.quantizer is nil")
+        extra: dict[str, Any] = {}
+        if kind == C.LAYER_RVQ_ROTATING:
+            ms = _int(path, f"{w}.max_size", _need(path, w, row, "max_size"), 1, C.MAX_TOKENS)
+            keep = _int(path, f"{w}.keep", _need(path, w, row, "keep"), 0, ms, limit_hi=False)
+            off = _int(path, f"{w}.offset", _need(path, w, row, "offset"), nt, C.MAX_OFFSET)
+            if nt > ms:
+                raise MalformedHeaderError(path, f"{w}: n_tokens {nt} exceeds max_size {ms}")
+            extra.update(max_size=ms, keep=keep, offset=off)
+        if kind in C.CODED_KINDS:
+            if self.quantizers is None:
+                if self.quantizer is None:
+                    raise MalformedHeaderError(path, f"{w} is an {kind} layer but header.quantizer is nil")
+            else:
+                for key in ("key_quantizer", "value_quantizer"):
+                    extra[key] = _int(path, f"{w}.{key}", _need(path, w, row, key), 0,
+                                      len(self.quantizers) - 1, limit_hi=False)
+        return LayerInfo(position, kind, batch, heads, dim, nt, nd, kd, vd, value_head_dim=vdim, **extra)
 
-        have = by_layer.get(i, {})
-        nq = nt - nd
+    def with_sections(self, w: str, layer: LayerInfo, have: dict[str, SectionInfo], parent: int | None) -> LayerInfo:
+        """Check a (non-list) layer's sections against its kind; return it with its section names."""
+        path = self.path
+        label = f"layer {layer.index}" if parent is None else f"layer {parent} child {layer.index}"
+        if layer.kind == C.LAYER_ARRAYS:
+            for k, s in have.items():
+                m = _STATE_RE.match(k)
+                if m is None:
+                    raise MalformedHeaderError(path, f"section {s.name!r}: kind {k!r} does not belong to arrays {label}")
+                if int(m.group(1)) >= layer.n_arrays:
+                    raise MalformedHeaderError(path, f"section {s.name!r}: slot {m.group(1)} but {label} has "
+                                                     f"{layer.n_arrays} slots")
+            return _replace(layer, sections={k: s.name for k, s in have.items()}, parent=parent)
+
+        batch, heads, kd, vd = layer.batch, layer.n_kv_heads, layer.key_dtype, layer.value_dtype
+        nd, nq = layer.n_dense_tokens, layer.n_quantized_tokens
+        coded = layer.is_coded
         expect: dict[str, tuple[tuple[str, ...], tuple[int, ...] | None]] = {}
-        if kind == "rvq":
+        if coded:
             for side in ("keys", "values"):
                 expect[f"{side}.codes1"] = (("uint32",), None)
                 expect[f"{side}.scales"] = (("bfloat16",), (batch, heads, nq))
-        optional = {"keys.codes2", "values.codes2"} if kind == "rvq" else set()
-        if nd > 0 or kind == "dense":
-            expect["keys.dense"] = ((kd,), (batch, heads, nd, dim))
-            expect["values.dense"] = ((vd,), (batch, heads, nd, dim))
+        optional = {"keys.codes2", "values.codes2"} if coded else set()
+        if nd > 0 or layer.kind == "dense":
+            expect["keys.dense"] = ((kd,), (batch, heads, nd, layer.head_dim))
+            expect["values.dense"] = ((vd,), (batch, heads, nd, layer.value_head_dim))
         for k in expect:
             if k not in have:
-                raise MalformedHeaderError(path, f"layer {i} ({kind}) lacks its {k!r} section")
+                raise MalformedHeaderError(path, f"{label} ({layer.kind}) lacks its {k!r} section")
         for k, s in have.items():
             if k in optional:
                 allowed: tuple[tuple[str, ...], tuple[int, ...] | None] = (("uint32",), None)
             elif k in expect:
                 allowed = expect[k]
             else:
-                raise MalformedHeaderError(path, f"section {s.name!r}: kind {k!r} does not belong to {kind} layer {i}"
+                raise MalformedHeaderError(path, f"section {s.name!r}: kind {k!r} does not belong to {layer.kind} {label}"
                                            + (" (it has no dense tokens)" if k in C.DENSE_KINDS else ""))
             dtypes, shape = allowed
             if s.dtype not in dtypes:
@@ -527,8 +775,7 @@ def _parse_layers(path, rows: list, sections, n_tokens: int, quantizer) -> tuple
                         path, f"section {s.name!r}: shape {list(s.shape)} should be [{batch}, {heads}, {nq}, words>=1]")
             elif s.shape != shape:
                 raise MalformedHeaderError(path, f"section {s.name!r}: shape {list(s.shape)} should be {list(shape)}")
-        if ("keys.codes2" in have) != ("values.codes2" in have):
-            raise MalformedHeaderError(path, f"layer {i}: keys and values must both have codes2 or neither")
-        layers.append(LayerInfo(i, kind, batch, heads, dim, nt, nd, kd, vd,
-                                sections={k: s.name for k, s in have.items()}))
-    return tuple(layers)
+        # one quantizer for both sides: both have stage 2 or neither (a table entry per side decides in H8)
+        if self.quantizers is None and ("keys.codes2" in have) != ("values.codes2" in have):
+            raise MalformedHeaderError(path, f"{label}: keys and values must both have codes2 or neither")
+        return _replace(layer, sections={k: s.name for k, s in have.items()}, parent=parent)

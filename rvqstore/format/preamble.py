@@ -32,7 +32,7 @@ class Preamble:
     preamble_checksum: int
 
 
-def pack_preamble(*, major: int = C.FORMAT_MAJOR, minor: int = C.FORMAT_MINOR, flags: int = 0,
+def pack_preamble(*, major: int = C.FORMAT_MAJOR, minor: int = C.FORMAT_MINOR_BASE, flags: int = 0,
                   header_offset: int, header_length: int, header_checksum: int, file_length: int,
                   reserved: int = 0, preamble_checksum: int | None = None) -> bytes:
     """The 64 preamble bytes; the preamble checksum is computed unless given (tests forge bad ones)."""

@@ -1,17 +1,16 @@
-"""Reading ``.rvq`` files lazily.
+"""Reading ``.rvq`` files lazily, from a path or any range source (``source.py``).
 
-:func:`open_rvq` reads the 64-byte preamble and the header, nothing else, and validates both
-completely (every offset and length against the bytes present) before returning.  Section data is
-read on demand through a read-only mmap: a raw section becomes a zero-copy, read-only numpy view of
-the mapping after its checksum is verified; a zstd section is checksummed, its frame header checked
-against the declared size, then decompressed into exactly ``raw_length`` bytes.
+:func:`open_rvq` reads the 64-byte preamble and the header (with the at most 63 padding bytes before
+it), nothing else, and validates them completely (every offset and length against the bytes present)
+before returning.  Section data is read on demand: from a file through a read-only mmap (a raw section
+becomes a zero-copy, read-only numpy view of the mapping after its checksum is verified), from other
+sources with one ``read(offset, length)`` per section; a zstd section is checksummed, its frame header
+checked against the declared size, then decompressed into exactly ``raw_length`` bytes.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
-import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -29,20 +28,10 @@ from .errors import (
     UnknownFeatureError,
 )
 from .header import Header, LayerInfo, QuantizerCheck, SectionInfo, decode_header, parse_header
+from .limits import decoded_nbytes, resolve_decoded_limit
 from .quantizer import check_quantizer
 from .preamble import Preamble, check_header_checksum, parse_preamble
-
-
-def _pread_exact(fd: int, n: int, off: int) -> bytes:
-    chunks = []
-    while n > 0:
-        b = os.pread(fd, n, off)
-        if not b:
-            break
-        chunks.append(b)
-        n -= len(b)
-        off += len(b)
-    return b"".join(chunks)
+from .source import BytesSource, FileSource, RangeSource, source_name
 
 
 def default_quantizer_check(quantizer: dict, layers, sections, path) -> None:
@@ -57,20 +46,19 @@ def default_quantizer_check(quantizer: dict, layers, sections, path) -> None:
 class RVQFile:
     """An open ``.rvq`` file.  Use as a context manager, or call :meth:`close`.
 
-    Attributes: ``path``, ``header`` (:class:`Header`), ``version`` ``(major, minor)``,
-    ``sections`` (tuple of :class:`SectionInfo`, in file order), ``layers`` (tuple of
-    :class:`LayerInfo`), ``file_length``.  Arrays returned by :meth:`read_section` for raw
-    sections are read-only views of the file mapping; they stay valid after :meth:`close` (the
-    mapping is released when the last view is gone).
+    Attributes: ``path`` (the path, or the range source's name), ``header`` (:class:`Header`),
+    ``version`` ``(major, minor)``, ``sections`` (tuple of :class:`SectionInfo`, in file order),
+    ``layers`` (tuple of :class:`LayerInfo`), ``file_length``.  Arrays returned by
+    :meth:`read_section` for raw sections of a file are read-only views of the file mapping; they stay
+    valid after :meth:`close` (the mapping is released when the last view is gone).
     """
 
-    def __init__(self, path: str, fd: int, pre: Preamble, header: Header):
+    def __init__(self, path: str, source, pre: Preamble, header: Header, *, owns_source: bool = True):
         self.path = path
-        self._fd = fd
+        self._source = source
+        self._owns_source = owns_source
         self._pre = pre
         self.header = header
-        self._mm: mmap.mmap | None = None
-        self._lock = threading.Lock()
         self._by_name = {s.name: s for s in header.sections}
         # where the zero padding before each region starts
         self._pad_start: dict[str, int] = {}
@@ -114,6 +102,44 @@ class RVQFile:
     def metadata(self) -> dict:
         return self.header.metadata
 
+    @property
+    def quantizers(self) -> tuple[dict, ...] | None:
+        """The ``quantizers`` table (feature quantizer-table), else None."""
+        return self.header.quantizers
+
+    def quantizer_for(self, layer: "int | LayerInfo", side: str) -> dict | None:
+        """The quantizer map coding ``side`` (``"keys"``/``"values"``) of a layer (or list child).
+
+        Works for 1.0 files (the one ``quantizer``) and 1.1 files (``quantizers`` table); None for a
+        layer that is not rvq-coded.
+        """
+        info = self.layer(layer) if isinstance(layer, int) else layer
+        return self.header.quantizer_for(info, side)
+
+    def codec_for(self, layer: "int | LayerInfo", side: str, *, use_kernels: bool = True):
+        """The :class:`rvqstore.codec.RVQCodec` of one layer side (see :meth:`quantizer_for`)."""
+        return self._codec_from_map(self.quantizer_for(layer, side), use_kernels=use_kernels)
+
+    def decoded_nbytes(self) -> int:
+        """Bytes a full load produces: every layer's keys/values in their dtypes, state arrays, tokens."""
+        return decoded_nbytes(self.header)
+
+    def check_decoded_size(self, limit: int | None = None) -> int:
+        """Raise :class:`LimitExceededError` if a full load would produce more than ``limit`` bytes.
+
+        ``limit`` None: the environment variable ``RVQSTORE_MAX_DECODED_BYTES`` or the default
+        (``constants.DEFAULT_MAX_DECODED_BYTES``).  Returns the decoded size.  Reads no section.
+        """
+        from .errors import LimitExceededError
+
+        lim = resolve_decoded_limit(limit)
+        n = self.decoded_nbytes()
+        if n > lim:
+            raise LimitExceededError(
+                self.path, f"loading this file would decode {n:,} bytes, more than the limit of {lim:,} "
+                           f"(pass a larger max_decoded_bytes, or set RVQSTORE_MAX_DECODED_BYTES)")
+        return n
+
     def section(self, name: str) -> SectionInfo:
         try:
             return self._by_name[name]
@@ -126,28 +152,33 @@ class RVQFile:
         return self.layers[index]
 
     # ---- data -------------------------------------------------------------------------------------
-    def _map(self) -> mmap.mmap:
+    def _check_open_and_size(self) -> None:
         if self._closed:
             raise ValueError(f"{self.path}: I/O on a closed .rvq file")
         # the file must still be the size we validated: touching a mapping past EOF would SIGBUS
-        size = os.fstat(self._fd).st_size
+        cur = getattr(self._source, "current_size", None)
+        size = cur() if cur is not None else self._source.size
         if size != self.file_length:
             raise TruncatedFileError(self.path, f"file changed size since it was opened ({self.file_length} -> {size} bytes)")
-        with self._lock:
-            if self._mm is None:
-                self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
-            return self._mm
 
-    def _check_padding(self, start: int, end: int, mm, what: str) -> None:
-        if end > start and any(mm[start:end]):
+    def _bytes(self, offset: int, length: int):
+        """``length`` bytes at ``offset``: a zero-copy view where the source offers one."""
+        view = getattr(self._source, "view", None)
+        data = view(offset, length) if view is not None else self._source.read(offset, length)
+        if len(data) != length:
+            raise TruncatedFileError(self.path, f"the source returned {len(data)} of {length} bytes at {offset}")
+        return data if isinstance(data, memoryview) else memoryview(data)
+
+    def _check_padding(self, start: int, end: int, what: str) -> None:
+        if end > start and any(self._bytes(start, end - start)):
             raise LayoutError(self.path, f"non-zero padding bytes in [{start}, {end}) before {what}")
 
     def read_stored(self, name: str) -> memoryview:
-        """The section's stored bytes (a zero-copy view of the mapping), after its checksum is verified."""
+        """The section's stored bytes (a zero-copy view where possible), after its checksum is verified."""
         s = self.section(name)
-        mm = self._map()
-        self._check_padding(self._pad_start[s.name], s.offset, mm, f"section {s.name!r}")
-        view = memoryview(mm)[s.offset: s.offset + s.length]
+        self._check_open_and_size()
+        self._check_padding(self._pad_start[s.name], s.offset, f"section {s.name!r}")
+        view = self._bytes(s.offset, s.length)
         got = checksum(view)
         if got != s.checksum:
             view.release()
@@ -189,9 +220,10 @@ class RVQFile:
             out = out.view(mx.bfloat16)
         return out
 
-    def layer_arrays(self, index: int, *, as_mx: bool = False) -> dict[str, Any]:
-        """All known-kind sections of a layer, decoded and verified: ``{kind: array}``."""
-        layer = self.layer(index)
+    def layer_arrays(self, index: "int | LayerInfo", *, as_mx: bool = False) -> dict[str, Any]:
+        """All known-kind sections of a layer (or of a list child, given as its LayerInfo), decoded and
+        verified: ``{kind: array}`` (a list child's kinds without their ``c<j>.`` prefix)."""
+        layer = self.layer(index) if isinstance(index, int) else index
         read: Callable[[str], Any] = self.read_section_mx if as_mx else self.read_section
         return {kind: read(name) for kind, name in layer.sections.items()}
 
@@ -208,9 +240,14 @@ class RVQFile:
         Raises :class:`UnknownFeatureError` when the file has no quantizer or one this library does not
         implement, and :class:`MalformedHeaderError` when the codec refuses the map.
         """
+        if self.header.quantizers is not None:
+            raise UnknownFeatureError(self.path, "this file has one quantizer per layer side "
+                                                 "('quantizer-table'): use codec_for(layer, side)")
+        return self._codec_from_map(self.quantizer, use_kernels=use_kernels)
+
+    def _codec_from_map(self, q: dict | None, *, use_kernels: bool):
         from .quantizer import QUANTIZER_NAME
 
-        q = self.quantizer
         if q is None or q.get("name") != QUANTIZER_NAME:
             name = None if q is None else q.get("name")
             raise UnknownFeatureError(self.path, f"quantizer {name!r} cannot be decoded by this library "
@@ -230,7 +267,7 @@ class RVQFile:
         Raises the first :class:`FormatError` found.  ``decode(self)``, if given, then runs a
         content-level check (e.g. decoding the codes with the codec).  Returns counts.
         """
-        mm = self._map()
+        self._check_open_and_size()
         stored = raw = 0
         for i, s in enumerate(self.sections):
             arr = self.read_section(s.name)
@@ -239,7 +276,7 @@ class RVQFile:
             del arr
             if progress is not None:
                 progress(i + 1, len(self.sections))
-        self._check_padding(self._header_pad_start, self.header.header_offset, mm, "the header")
+        self._check_padding(self._header_pad_start, self.header.header_offset, "the header")
         if decode is not None:
             decode(self)
         return {"sections": len(self.sections), "stored_bytes": stored, "raw_bytes": raw,
@@ -250,13 +287,8 @@ class RVQFile:
         if self._closed:
             return
         self._closed = True
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # arrays still view it; the mapping goes when they do
-            self._mm = None
-        os.close(self._fd)
+        if self._owns_source:
+            self._source.close()
 
     def __enter__(self) -> "RVQFile":
         return self
@@ -301,31 +333,53 @@ def _zstd_decode(stored: memoryview, s: SectionInfo, path: str) -> bytes:
     return out
 
 
-def open_rvq(path: "str | os.PathLike[str]", *, quantizer_check: QuantizerCheck | None = default_quantizer_check
-             ) -> RVQFile:
-    """Open an ``.rvq`` file: read and fully validate the preamble and header, map nothing yet.
+def open_rvq(source: "str | os.PathLike[str] | RangeSource", *,
+             quantizer_check: QuantizerCheck | None = default_quantizer_check) -> RVQFile:
+    """Open an ``.rvq`` file: read and fully validate the preamble and header, read no section yet.
 
-    Raises a :class:`~rvqstore.format.errors.FormatError` subclass for any invalid file, and
-    ``OSError`` when the file cannot be opened at all.
+    ``source`` is a path, a bytes-like object, or a range source (an object with ``size`` and
+    ``read(offset, length) -> bytes``, see :mod:`rvqstore.format.source`).  A path that is not a
+    regular file (a FIFO, a device, a directory) is refused without blocking
+    (:class:`NotRegularFileError`).  Raises a :class:`~rvqstore.format.errors.FormatError`
+    subclass for any invalid file, and ``OSError`` when the file cannot be opened at all.
     """
-    spath = os.fspath(path)
-    fd = os.open(spath, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    owns = True
+    if isinstance(source, (str, os.PathLike)):
+        src = FileSource(source)
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        src = BytesSource(source)
+    elif isinstance(getattr(source, "size", None), int) and callable(getattr(source, "read", None)):
+        src, owns = source, False
+    else:
+        raise TypeError(f"open_rvq needs a path, bytes, or a range source with size and read(offset, length); "
+                        f"got {type(source).__name__}")
+    name = source_name(src)
     try:
-        st = os.fstat(fd)
-        size = st.st_size
-        head = _pread_exact(fd, min(C.PREAMBLE_SIZE, size), 0)
-        pre = parse_preamble(head, size, spath)
-        hbytes = _pread_exact(fd, pre.header_length, pre.header_offset)
-        if len(hbytes) != pre.header_length:
-            raise TruncatedFileError(spath, "file shrank while being read")
-        check_header_checksum(pre, hbytes, spath)
-        obj = decode_header(hbytes, spath)
-        header = parse_header(obj, path=spath, major=pre.major, minor=pre.minor, flags=pre.flags,
+        size = src.size
+        if size < 0:
+            raise TruncatedFileError(name, f"the source reports a size of {size} bytes")
+        head = bytes(src.read(0, min(C.PREAMBLE_SIZE, size)))
+        pre = parse_preamble(head, size, name)
+        # the header and the (at most 63) padding bytes before it, in one read
+        pad = min(C.ALIGNMENT - 1, pre.header_offset - C.PREAMBLE_SIZE)
+        tail = bytes(src.read(pre.header_offset - pad, pad + pre.header_length))
+        if len(tail) != pad + pre.header_length:
+            raise TruncatedFileError(name, "file shrank while being read")
+        hbytes = tail[pad:]
+        check_header_checksum(pre, hbytes, name)
+        obj = decode_header(hbytes, name)
+        header = parse_header(obj, path=name, major=pre.major, minor=pre.minor, flags=pre.flags,
                               header_offset=pre.header_offset, header_length=pre.header_length,
                               file_length=pre.file_length, quantizer_check=quantizer_check)
-        return RVQFile(spath, fd, pre, header)
+        f = RVQFile(name, src, pre, header, owns_source=owns)
+        # the padding before the header is checked at open: no later read covers it
+        start = f._header_pad_start
+        if any(tail[pad - (pre.header_offset - start): pad]):
+            raise LayoutError(name, f"non-zero padding bytes in [{start}, {pre.header_offset}) before the header")
+        return f
     except BaseException:
-        os.close(fd)
+        if owns:
+            src.close()
         raise
 
 

@@ -1,13 +1,16 @@
 """Writing ``.rvq`` files: sections stream to a temporary file beside the target, then fsync + rename.
 
 An interrupted or failed save never leaves a partial file at ``path``: either the old file (if any)
-is still there, untouched, or the complete new one is.
+is still there, untouched, or the complete new one is.  Permissions, symlinks and the temporary
+files of killed saves follow the rules of the spec's section 14 (see :func:`write_rvq`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -15,10 +18,11 @@ import numpy as np
 
 from . import constants as C
 from .checksum import checksum
-from .errors import LimitExceededError, MalformedHeaderError
+from .errors import LimitExceededError, MalformedHeaderError, NotRegularFileError
 from .header import Header, canonicalize, decode_header, encode_header, parse_header
 from .preamble import pack_preamble
 from .quantizer import check_quantizer
+from .tempfiles import lock_temp, sweep_stale_temps, temp_name
 
 #: Header keys the writer fills in itself; a caller's header must not carry them.
 CONTAINER_KEYS = ("format_version", "required_features", "sections")
@@ -114,16 +118,47 @@ def _write_all(fd: int, data) -> None:
         mv = mv[n:]
 
 
+#: Mode of a new file: a snapshot holds the prompt's token ids (and a cache that can be inverted to
+#: text), so it is private unless the caller says otherwise.
+NEW_FILE_MODE = 0o600
+
+
 def _open_temp(path: str) -> tuple[int, str]:
-    d, base = os.path.split(path)
     for _ in range(100):
-        tmp = os.path.join(d, f".{base}.{secrets.token_hex(6)}.tmp")
+        tmp = temp_name(path, secrets.token_hex(6))
         try:
-            # 0o666 & ~umask, like any new file; O_EXCL so we never reuse someone else's file
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), tmp
+            # O_EXCL so we never reuse someone else's file; private until its final mode is set
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+                         | getattr(os, "O_CLOEXEC", 0), 0o600)
         except FileExistsError:
             continue
+        lock_temp(fd)  # held until the fd closes: a sweeper never removes a live writer's temp
+        return fd, tmp
     raise FileExistsError(f"could not create a temporary file next to {path}")
+
+
+def resolve_target(path: str) -> tuple[str, int | None]:
+    """The path to replace and the mode the new file gets (None: NEW_FILE_MODE).
+
+    A symlink is written through: the link stays and its target is replaced atomically in the
+    target's directory (a dangling link creates its target).  An existing file keeps its mode; a file
+    without the owner's write bit is refused (``PermissionError``), as is anything but a regular file.
+    """
+    target = path
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        if os.path.islink(target):  # realpath stops at a loop
+            raise OSError(errno.ELOOP, "too many levels of symbolic links", path)
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        return target, None
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(path, "exists and is not a regular file; refusing to replace it")
+    if not st.st_mode & stat.S_IWUSR:
+        raise PermissionError(errno.EACCES, "the existing file is read-only (no owner write permission); "
+                                            "refusing to replace it", path)
+    return target, stat.S_IMODE(st.st_mode)
 
 
 def _fsync_dir(d: str) -> None:
@@ -148,6 +183,7 @@ def write_rvq(
     zstd_level: int = ZSTD_LEVEL,
     progress: ProgressFn | None = None,
     quantizer_check=check_quantizer,
+    mode: int | None = None,
 ) -> Header:
     """Write an ``.rvq`` file atomically and return its validated :class:`Header`.
 
@@ -159,8 +195,21 @@ def write_rvq(
     every section loads zero-copy).  ``progress(done, total)`` is called after each section (total is None for an
     unsized iterable).  The file is validated by the reader's own rules before it is renamed into
     place, so a file this function writes always opens.
+
+    The version is the oldest that holds the data: ``[1, 0]`` unless a 1.1 feature is used
+    (``value_head_dim`` differing from ``head_dim``: per-side-geometry; a ``quantizers`` table:
+    quantizer-table; a layer kind beyond rvq/dense: layer-kinds), and ``required_features`` lists
+    exactly the features used.
+
+    Files: a new file gets mode ``0o600`` (``mode`` overrides); an existing file keeps its mode
+    (``mode`` overrides) and is refused if it lacks the owner's write bit; a symlink at ``path`` is
+    written through (its target is replaced, in the target's directory; the link stays).  Temporary
+    files are ``.NAME.<pid>.<random>.tmp`` beside the target, locked while their writer lives; after
+    a successful write, unlocked temporaries of the same target (left by killed saves) are removed.
     """
     path = os.fspath(path)
+    if mode is not None and (type(mode) is not int or not 0 <= mode <= 0o7777):
+        raise ValueError(f"mode must be an int in 0..0o7777, got {mode!r}")
     if compress not in ("auto", "zstd", "none", "raw"):
         raise ValueError(f"compress must be 'auto', 'zstd' or 'none', got {compress!r}")
     bad = [k for k in CONTAINER_KEYS if k in header]
@@ -170,9 +219,12 @@ def write_rvq(
         content = canonicalize(dict(header))
     except TypeError as e:
         raise MalformedHeaderError(path, str(e)) from None
+    content, feats_11 = _normalize_features(content)
     total = len(sections) if hasattr(sections, "__len__") else None  # type: ignore[arg-type]
+    target, kept_mode = resolve_target(path)
+    final_mode = mode if mode is not None else (kept_mode if kept_mode is not None else NEW_FILE_MODE)
 
-    fd, tmp = _open_temp(path)
+    fd, tmp = _open_temp(target)
     ok = False
     try:
         _write_all(fd, bytes(C.PREAMBLE_SIZE))
@@ -198,9 +250,10 @@ def write_rvq(
             if progress is not None:
                 progress(i + 1, total)
 
-        feats = ["zstd"] if any(r["codec"] == C.CODEC_ZSTD for r in rows) else []
+        feats = ([C.FEATURE_ZSTD] if any(r["codec"] == C.CODEC_ZSTD for r in rows) else []) + feats_11
+        minor = C.FORMAT_MINOR if feats_11 else C.FORMAT_MINOR_BASE
         full = dict(content)
-        full.update({"format_version": [C.FORMAT_MAJOR, C.FORMAT_MINOR], "required_features": feats,
+        full.update({"format_version": [C.FORMAT_MAJOR, minor], "required_features": feats,
                      "sections": rows})
         hbytes = encode_header(full)
         if len(hbytes) > C.MAX_HEADER_LENGTH:
@@ -209,26 +262,60 @@ def write_rvq(
         f_len = h_off + len(hbytes)
         # the reader's own validation, before anything is renamed into place
         parsed = parse_header(decode_header(hbytes, path), path=path, major=C.FORMAT_MAJOR,
-                              minor=C.FORMAT_MINOR, flags=0, header_offset=h_off,
+                              minor=minor, flags=0, header_offset=h_off,
                               header_length=len(hbytes), file_length=f_len, quantizer_check=quantizer_check)
         _write_all(fd, bytes(h_off - pos))
         _write_all(fd, hbytes)
-        pre = pack_preamble(header_offset=h_off, header_length=len(hbytes), header_checksum=checksum(hbytes),
-                            file_length=f_len)
+        pre = pack_preamble(minor=minor, header_offset=h_off, header_length=len(hbytes),
+                            header_checksum=checksum(hbytes), file_length=f_len)
         os.lseek(fd, 0, os.SEEK_SET)
         _write_all(fd, pre)
+        os.fchmod(fd, final_mode)
         os.fsync(fd)
+        os.replace(tmp, target)  # still holding the temp's lock: no sweeper touches it before this
+        ok = True
         os.close(fd)
         fd = -1
-        os.replace(tmp, path)
-        ok = True
-        _fsync_dir(os.path.dirname(path))
+        _fsync_dir(os.path.dirname(target))
+        try:
+            sweep_stale_temps(target)
+        except OSError:
+            pass  # best effort: a temp we cannot remove is no reason to fail a save that succeeded
         return parsed
     finally:
-        if fd >= 0:
-            os.close(fd)
         if not ok:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+        if fd >= 0:
+            os.close(fd)
+
+
+def _normalize_features(content: dict) -> tuple[dict, list[str]]:
+    """Drop ``value_head_dim`` where it equals ``head_dim``; return the 1.1 features the header uses."""
+    used: set[str] = set()
+    layers = content.get("layers")
+
+    def visit(row):
+        if type(row) is not dict:
+            return row
+        row = dict(row)
+        if "value_head_dim" in row:
+            if row["value_head_dim"] == row.get("head_dim"):
+                del row["value_head_dim"]
+            else:
+                used.add(C.FEATURE_PER_SIDE_GEOMETRY)
+        if row.get("kind") not in C.LAYER_KINDS_1_0:
+            used.add(C.FEATURE_LAYER_KINDS)
+        if type(row.get("children")) is list:
+            row["children"] = [visit(c) for c in row["children"]]
+        if "key_quantizer" in row or "value_quantizer" in row:
+            used.add(C.FEATURE_QUANTIZER_TABLE)
+        return row
+
+    if type(layers) is list:
+        content = dict(content, layers=[visit(r) for r in layers])
+    if "quantizers" in content:
+        used.add(C.FEATURE_QUANTIZER_TABLE)
+    return content, [f for f in C.FEATURES_1_1 if f in used]
