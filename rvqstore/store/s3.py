@@ -54,7 +54,7 @@ class S3Backend:
         try:
             obstore.put(self._store, path, data, mode="create", use_multipart=False)
             return True
-        except (AlreadyExistsError, PreconditionError):
+        except (AlreadyExistsError, PreconditionError, FileExistsError):
             return False
 
     def put(self, path: str, data: bytes) -> None:
@@ -68,7 +68,7 @@ class S3Backend:
 
         try:
             return bytes(obstore.get(self._store, path).bytes())
-        except NotFoundError:
+        except (NotFoundError, FileNotFoundError):
             return None
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
@@ -84,7 +84,7 @@ class S3Backend:
 
         try:
             meta = obstore.head(self._store, path)
-        except NotFoundError:
+        except (NotFoundError, FileNotFoundError):
             return None
         return _S3Range(self, path, int(meta["size"]), meta.get("e_tag"))
 
@@ -95,7 +95,7 @@ class S3Backend:
         try:
             obstore.head(self._store, path)
             return True
-        except NotFoundError:
+        except (NotFoundError, FileNotFoundError):
             return False
 
     def list(self, prefix: str) -> list[ObjectInfo]:
@@ -113,7 +113,7 @@ class S3Backend:
 
         try:
             obstore.delete(self._store, path)
-        except NotFoundError:
+        except (NotFoundError, FileNotFoundError):
             pass
 
     def local_path(self, path: str) -> str | None:
