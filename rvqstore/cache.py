@@ -350,6 +350,8 @@ class RVQKVCache:
         c.dtype = dtype
         c._keys = _Stream(key_codec or c._codec(head_dims[0]), (b, h))
         c._values = _Stream(value_codec or c._codec(head_dims[1]), (b, h))
+        for stream, packed in ((c._keys, keys), (c._values, values)):  # scales from outside: NaN or in range
+            stream.codec.check_scales(packed[0], dtype)
         c._keys.set_packed(*keys)
         c._values.set_packed(*values)
         nd = 0

@@ -21,6 +21,13 @@ Per vector ``x`` of length ``dim`` (all arithmetic in float32):
 
 Decoding: ``y_hat`` as above (float32), ``x_hat = (H^T(y_hat) / dim) * signs * scale``, cast to the
 input dtype. Stage 1 alone (``y_hat = c1[i]``) is a valid ``bits1``-bit code.
+
+Scales: a scale is NaN (the vector held NaN/Inf, or its norm is out of range) or finite with
+``0 <= scale <= max_scale(dtype) = F * (1 - 2^-8) / A``: ``F`` the largest finite value of the output
+dtype, ``A`` the largest ``|y_hat|`` any code decodes to (:attr:`RVQCodec.decode_bound`). Since
+``|x_hat_k| <= scale * A``, every vector with a valid finite scale decodes to finite values in that
+dtype whatever its codes (the margin covers float32 rounding). The encoder gives a vector beyond the
+bound a NaN scale; readers reject any other scale (:meth:`RVQCodec.check_scales`).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import numpy as np
 
 from . import hadamard
 from .codebooks import gaussian_codebook, residual_tables
-from .errors import CodecConfigError, InputShapeError, NonFiniteInputError
+from .errors import CodecConfigError, InputShapeError, InvalidScaleError, NonFiniteInputError
 from .packing import pack_codes, unpack_codes, words_per_vector
 from .prng import PRNG_NAME, bits_to_signs, rotation_signs, signs_to_bits
 
@@ -162,6 +169,41 @@ class RVQCodec:
         return (self.bits1, self.bits2)
 
     @property
+    def decode_bound(self) -> float:
+        """``A``: the largest ``|y_hat|`` any code (either stage count) decodes to before unrotating."""
+        a = float(np.max(np.abs(self.centroids1)))
+        if self.bits2 and self.residual == "shared":
+            c1, c2 = self.centroids1.astype(np.float64), self.centroids2[0].astype(np.float64)
+            a = max(a, abs(c1.max() + c2.max()), abs(c1.min() + c2.min()))
+        elif self.bits2:
+            a = max(a, float(np.max(np.abs(self.centroids2))))
+        return a
+
+    def max_scale(self, dtype: mx.Dtype) -> float:
+        """The largest valid scale for vectors decoded to ``dtype`` (see the module docstring)."""
+        if dtype not in _FLOAT_DTYPES:
+            raise InputShapeError(f"expected a float16, bfloat16 or float32 dtype, got {dtype}")
+        return float(mx.finfo(dtype).max) * (1.0 - 2.0 ** -8) / self.decode_bound
+
+    def check_scales(self, scales: mx.array, dtype: mx.Dtype) -> None:
+        """Raise InvalidScaleError unless every scale is NaN or in ``[0, max_scale(dtype)]``.
+
+        For scales from outside (a file, ``from_packed``); one reduction over the scales, no decode.
+        """
+        if not isinstance(scales, mx.array) or scales.dtype != mx.bfloat16:
+            raise InputShapeError(f"scales must be a bfloat16 mx.array, got {getattr(scales, 'dtype', type(scales))}")
+        if scales.size == 0:
+            return
+        s = scales.astype(mx.float32)
+        bad = ~mx.isnan(s) & ~((s >= 0) & (s <= self.max_scale(dtype)))
+        n_bad = int(mx.sum(bad).item())
+        if n_bad:
+            first = float(s.reshape(-1)[int(mx.argmax(bad.reshape(-1)).item())].item())
+            raise InvalidScaleError(f"{n_bad} scale(s) are neither NaN nor in [0, {self.max_scale(dtype):.6g}] "
+                                    f"(vectors would decode beyond {_DTYPE_NAMES[dtype]}'s range), "
+                                    f"first {first!r}")
+
+    @property
     def bits_per_coordinate(self) -> float:
         """Stored bits per coordinate, counting the bfloat16 scale and unused bits in the words."""
         return (32 * (self.words1 + self.words2) + 16) / self.dim
@@ -174,9 +216,10 @@ class RVQCodec:
     def encode(self, x: mx.array, *, check_finite: bool = True) -> EncodedVectors:
         """Encode ``x`` of shape ``(..., dim)`` (float16/bfloat16/float32).
 
-        With ``check_finite`` (default) an input holding NaN or Inf raises NonFiniteInputError (this
-        costs one reduction and a sync). Without it, each vector holding NaN/Inf gets a NaN scale and
-        the codes of the zero vector, and decodes to all-NaN; other vectors are unaffected.
+        With ``check_finite`` (default) an input holding NaN or Inf, or a vector whose norm exceeds
+        :meth:`max_scale` of its dtype, raises NonFiniteInputError (this costs one reduction and a
+        sync). Without it, each such vector gets a NaN scale and the codes of the zero vector, and
+        decodes to all-NaN; other vectors are unaffected.
         """
         x = self._check_input(x)
         lead = tuple(x.shape[:-1])
@@ -185,8 +228,9 @@ class RVQCodec:
                                   mx.zeros(lead + (self.words2,), mx.uint32) if self.bits2 else None, x.dtype)
         y, scales = self.rotate(x)
         if check_finite and not bool(mx.all(mx.isfinite(scales)).item()):
-            raise NonFiniteInputError("RVQCodec.encode: input contains NaN or Inf "
-                                      "(pass check_finite=False to encode such vectors as NaN)")
+            raise NonFiniteInputError("RVQCodec.encode: input contains NaN or Inf, or a vector whose norm is "
+                                      f"beyond {self.max_scale(x.dtype):.6g} (the most {_DTYPE_NAMES[x.dtype]} "
+                                      "can decode to); pass check_finite=False to encode such vectors as NaN")
         codes1, codes2 = self.quantize(y)
         return EncodedVectors(scales, codes1, codes2, x.dtype)
 
@@ -207,7 +251,9 @@ class RVQCodec:
     def _rotate_reference(self, x: mx.array) -> tuple[mx.array, mx.array]:
         xf = x.astype(mx.float32)
         norm = mx.sqrt(mx.sum(xf * xf, axis=-1))
-        finite = mx.isfinite(norm)
+        # a vector is coded when its stored (bfloat16) norm is finite and within the dtype's bound;
+        # NaN/Inf norms fail the comparison too (traced per input dtype, so the bound is a constant)
+        finite = norm.astype(mx.bfloat16).astype(mx.float32) <= self.max_scale(x.dtype)
         scales = mx.where(finite, norm, mx.array(float("nan"), mx.float32)).astype(mx.bfloat16)
         s32 = scales.astype(mx.float32)
         # normalize by the stored (rounded) scale, so the rounding of the scale costs no accuracy
@@ -436,7 +482,7 @@ def _check_nested(b1: np.ndarray, t2: np.ndarray) -> None:
 
 def _table(v: Any, shape: tuple[int, ...]) -> np.ndarray:
     a = np.asarray(v, dtype=np.float64)
-    if a.shape != shape or not np.all(np.isfinite(a)):
+    if a.shape != shape or not np.all(np.isfinite(a.astype(np.float32))):  # finite as the float32 it is used as
         raise CodecConfigError(f"codebook table of shape {a.shape} (expected {shape}) or non-finite")
     if a.shape[-1] > 1 and not np.all(np.diff(a, axis=-1) > 0):
         raise CodecConfigError("codebook table not strictly increasing")

@@ -26,3 +26,13 @@ class ModelNotFoundError(RVQError, FileNotFoundError):
 
 class UnsupportedModelError(RVQError, ValueError):
     """A model file uses an architecture or feature the loader does not handle."""
+
+
+class InvalidScaleError(RVQError, ValueError):
+    """A stored per-vector scale is not NaN and not in ``[0, RVQCodec.max_scale(dtype)]``: +Inf,
+    negative, or so large that its vector could decode to values beyond the output dtype's range."""
+
+
+class InvalidArgumentError(RVQError, ValueError, TypeError):
+    """A public function got an argument of the wrong type or out of range (token ids, metadata, ...).
+    Also a ValueError and a TypeError, the builtins such checks raised before."""

@@ -197,6 +197,7 @@ def decode_layers(f, *, chunk_bytes: int = DECODE_CHUNK_BYTES, progress=None) ->
     import mlx.core as mx
 
     from ..codec import EncodedVectors
+    from ..errors import InvalidScaleError
 
     dtypes = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
     n = 0
@@ -231,6 +232,10 @@ def decode_layers(f, *, chunk_bytes: int = DECODE_CHUNK_BYTES, progress=None) ->
                     scales = mx.array(np.ascontiguousarray(sc[v0:v1])).view(mx.bfloat16)
                     enc = EncodedVectors(scales, mx.array(np.ascontiguousarray(c1[v0:v1])),
                                          None if c2 is None else mx.array(np.ascontiguousarray(c2[v0:v1])), dt)
+                    try:  # NaN or within the dtype's bound (rvqstore.codec: "Scales"); +Inf is not
+                        codec.check_scales(scales, dt)
+                    except InvalidScaleError as e:
+                        raise MalformedSectionError(f.path, f"layer {layer.index} {side}: {e}") from None
                     out = codec.decode(enc, dtype=dt)  # finite in the dtype a load returns, not only float32
                     finite_scale = mx.isfinite(scales.astype(mx.float32))
                     ok = mx.all(mx.where(finite_scale[..., None], mx.isfinite(out), True))
