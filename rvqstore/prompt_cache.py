@@ -197,8 +197,12 @@ def _cache_options(f) -> dict:
 
 
 def load_prompt_cache(path: str | os.PathLike, *, model: Any = None, tokenizer: Any = None,
-                      return_metadata: bool = False, mode: str | None = None, use_kernels: bool = True):
+                      return_metadata: bool = False, mode: str | None = None, use_kernels: bool = True,
+                      max_decoded_bytes: int | None = None):
     """Load an ``.rvq`` snapshot as a list of caches (one per layer, of the kinds that were saved).
+
+    A file that would decode to more than ``max_decoded_bytes`` (default: ``RVQSTORE_MAX_DECODED_BYTES``
+    or 16 GiB) is refused with ``LimitExceededError`` before anything is decoded.
 
     With ``model`` (and ``tokenizer``), a snapshot whose fingerprint or layer kinds differ is refused
     with :class:`ModelMismatchError`. ``mode`` overrides the stored cache mode (``"packed"``/``"resident"``).
@@ -207,14 +211,16 @@ def load_prompt_cache(path: str | os.PathLike, *, model: Any = None, tokenizer: 
     with open_rvq(path) as f:
         if model is not None:
             _check_file_against_model(f, model, tokenizer)
-        caches = _read_caches(f, mode=mode, use_kernels=use_kernels)
+        caches = _read_caches(f, mode=mode, use_kernels=use_kernels, max_decoded_bytes=max_decoded_bytes)
         meta = dict(f.metadata)
     return (caches, meta) if return_metadata else caches
 
 
-def _read_caches(f, *, mode: str | None, use_kernels: bool) -> list:
+def _read_caches(f, *, mode: str | None, use_kernels: bool, max_decoded_bytes: int | None = None) -> list:
     if mode is not None and mode not in ("packed", "resident"):
         raise ValueError(f"mode must be 'packed' or 'resident', got {mode!r}")
+    f.check_decoded_size(max_decoded_bytes)  # bounded before any section is decoded (spec section 12)
+    f.tokens()  # a load relies on every byte it keeps: the token ids' checksum too (spec 13, S3)
     opts = _cache_options(f)
     return decode_snapshot(f, mode=mode or opts["mode"], opts=opts, use_kernels=use_kernels)
 
@@ -239,7 +245,7 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def resume(path: str | os.PathLike, prompt_tokens: Sequence[int], model: Any = None, *, tokenizer: Any = None,
-           mode: str | None = None, use_kernels: bool = True) -> ResumeResult:
+           mode: str | None = None, use_kernels: bool = True, max_decoded_bytes: int | None = None) -> ResumeResult:
     """Reuse the longest prefix of ``prompt_tokens`` shared with the snapshot that every layer can resume at.
 
     At least one prompt token is always left to compute (the model needs it to produce logits), so a
@@ -257,7 +263,7 @@ def resume(path: str | os.PathLike, prompt_tokens: Sequence[int], model: Any = N
         if model is not None:
             _check_file_against_model(f, model, tokenizer)
         shared = common_prefix_length(stored, prompt)
-        caches = _read_caches(f, mode=mode, use_kernels=use_kernels)
+        caches = _read_caches(f, mode=mode, use_kernels=use_kernels, max_decoded_bytes=max_decoded_bytes)
         meta = dict(f.metadata)
         n_stored = len(stored)
     p = min(shared, len(prompt) - 1)
