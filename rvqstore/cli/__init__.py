@@ -26,7 +26,7 @@ from . import registry
 from .registry import PROG, CLIError, Command
 
 # the built-in commands register themselves on import
-from . import file_commands, prompt_commands, demo, store_commands  # noqa: E402,F401  isort: skip
+from . import file_commands, prompt_commands, demo, store_commands, serve  # noqa: E402,F401  isort: skip
 from .file_commands import describe  # noqa: F401 - part of the public CLI module since 0.1
 
 _COMMANDS: list[Command] = registry.COMMANDS
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(c.name, help=c.help, description=c.help)
         if c.configure is not None:
             c.configure(p)
-        p.set_defaults(_run=c.run)
+        p.set_defaults(_run=c.run, _passthrough=c.passthrough)
     return parser
 
 
@@ -65,7 +65,10 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "_passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.passthrough = extra
     debug = os.environ.get("RVQSTORE_DEBUG") == "1"
     try:
         code = args._run(args)

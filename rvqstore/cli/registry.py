@@ -27,27 +27,29 @@ class Command:
     help: str
     configure: Callable[[argparse.ArgumentParser], None] | None
     run: Callable[[argparse.Namespace], int]
+    passthrough: bool = False  # unknown options go to ``args.passthrough`` (a wrapped program's own)
 
 
 COMMANDS: list[Command] = []
 
 
 def register(commands: list[Command], name: str, *, help: str,
-             configure: Callable[[argparse.ArgumentParser], None] | None = None):
+             configure: Callable[[argparse.ArgumentParser], None] | None = None, passthrough: bool = False):
     """Decorator: add ``fn(args) -> int`` to ``commands`` as the subcommand ``name``."""
 
     def deco(fn: Callable[[argparse.Namespace], int]):
         if any(c.name == name for c in commands):
             raise ValueError(f"subcommand {name!r} registered twice")
-        commands.append(Command(name, help, configure, fn))
+        commands.append(Command(name, help, configure, fn, passthrough))
         return fn
 
     return deco
 
 
-def subcommand(name: str, *, help: str, configure: Callable[[argparse.ArgumentParser], None] | None = None):
+def subcommand(name: str, *, help: str, configure: Callable[[argparse.ArgumentParser], None] | None = None,
+               passthrough: bool = False):
     """Register ``fn(args) -> int`` as the built-in subcommand ``name``."""
-    return register(COMMANDS, name, help=help, configure=configure)
+    return register(COMMANDS, name, help=help, configure=configure, passthrough=passthrough)
 
 
 class CLIError(Exception):

@@ -33,6 +33,8 @@ def generate_with_store(args: argparse.Namespace) -> int:
     if cache is None:
         from .. import make_prompt_cache
 
+        n = 0
+
         cache = make_prompt_cache(model, bits=store.bits, seed=store.seed, residual=store.residual, mode=args.mode)
     t_lookup = time.perf_counter() - t0
     print(f"[reused {n} of {len(prompt)} prompt tokens from {store.url} in {t_lookup:.2f}s; "

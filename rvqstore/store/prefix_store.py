@@ -264,7 +264,7 @@ class PrefixStore:
         return out
 
     def longest_prefix(self, tokens: Sequence[int], *, mode: str = "packed", max_tokens: int | None = None,
-                       use_kernels: bool = True) -> tuple[int, list | None]:
+                       min_tokens: int = 1, use_kernels: bool = True) -> tuple[int, list | None]:
         """``(n, caches)``: the longest stored prefix ``tokens[:n]`` (whole blocks) and one
         :class:`RVQKVCache` per layer holding it; ``(0, None)`` when nothing is stored.
 
@@ -272,15 +272,16 @@ class PrefixStore:
         codec). A block that fails a check is removed from the store (it would fail every reader;
         the next ``put`` of that prefix writes it again) and the prefix ends before it; a block that
         vanished (another process's ``gc``) ends it too. ``max_tokens`` caps ``n`` (e.g. ``len(tokens)
-        - 1`` to leave a token for the model to compute).
+        - 1`` to leave a token for the model to compute); a prefix shorter than ``min_tokens`` (e.g.
+        one a caller already holds in memory) is not read: ``(n, None)``.
         """
         toks = _as_tokens(tokens)
         if max_tokens is not None:
             toks = toks[:max(0, max_tokens)]
         self.stats.lookups += 1
         refs = self._walk(toks)
-        if not refs:
-            return 0, None
+        if not refs or refs[-1].end < min_tokens:
+            return (refs[-1].end if refs else 0), None
         with ThreadPoolExecutor(min(self.workers, len(refs))) as ex:
             futs = [ex.submit(self._read_block, r, toks) for r in refs]
             blocks: list[BlockData] = []
