@@ -53,3 +53,28 @@ def build(arch: str, seed: int = 0):
     mx.eval(model.parameters())
     assert tree_flatten(model.parameters())
     return model, cfg
+
+
+def write_model_folder(arch: str, folder, seed: int = 0):
+    """An mlx-lm model folder (config.json, safetensors, tokenizer) of a random-weight ``arch`` model,
+    written with mlx-lm's own save utilities; its tokenizer maps each lowercase letter, digit and space
+    to one id (128 ids in all, the model's vocabulary). Returns the model."""
+    from pathlib import Path
+
+    from mlx_lm.utils import save_config, save_model
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    model, cfg = build(arch, seed)
+    save_model(folder, model)
+    save_config(dict(cfg), folder / "config.json")
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: i + 3 for i, ch in enumerate(chars)}}
+    vocab.update({f"<extra_{i}>": i for i in range(len(vocab), cfg["vocab_size"])})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(folder))
+    return model
