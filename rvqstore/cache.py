@@ -24,6 +24,26 @@ from .errors import CodecConfigError, InputShapeError
 MODES = ("packed", "resident")
 
 
+def check_update(keys: Any, values: Any, geometry: tuple[int, int, int, int] | None) -> tuple[int, int, int, int]:
+    """``(B, H, Dk, Dv)`` of an update after checking types, dtypes and shapes (and, when the cache
+    already holds a geometry, that it matches). Caches call it before changing any state."""
+    for name, a in (("keys", keys), ("values", values)):
+        if not isinstance(a, mx.array):
+            raise InputShapeError(f"{name} must be an mx.array, got {type(a).__name__}")
+        if a.dtype not in _FLOAT_DTYPES:
+            raise InputShapeError(f"{name} must be float16, bfloat16 or float32, got {a.dtype}")
+    if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+        raise InputShapeError(f"keys/values must be (B, n_kv_heads, T, head_dim) with matching B, heads, T; "
+                              f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+    b, h, _, dk = keys.shape
+    geo = (b, h, dk, values.shape[-1])
+    if geometry is not None and geo != geometry:
+        raise InputShapeError(f"this cache holds (B, heads, Dk, Dv) = {geometry}, got {geo}")
+    if b < 1 or h < 1:
+        raise InputShapeError(f"keys/values need B >= 1 and n_kv_heads >= 1, got {tuple(keys.shape)}")
+    return geo
+
+
 class _Stream:
     """Growable packed storage for one of keys/values of one layer: scales, codes1, codes2."""
 
@@ -83,8 +103,9 @@ class _Stream:
                 None if self.codes2 is None else self.codes2[..., :n, :])
 
     def encoded(self, start: int, end: int, dtype: mx.Dtype) -> EncodedVectors:
-        return EncodedVectors(self.scales[..., start:end], self.codes1[..., start:end, :],
-                              None if self.codes2 is None else self.codes2[..., start:end, :], dtype)
+        scales, codes1, codes2 = self.used() if self.scales is None else (self.scales, self.codes1, self.codes2)
+        return EncodedVectors(scales[..., start:end], codes1[..., start:end, :],
+                              None if codes2 is None else codes2[..., start:end, :], dtype)
 
     def decode(self, start: int, end: int, dtype: mx.Dtype) -> mx.array:
         return self.codec.decode(self.encoded(start, end, dtype))
@@ -149,26 +170,13 @@ class RVQKVCache:
     def _init_geometry(self, keys: mx.array, values: mx.array) -> None:
         """Check ``keys``/``values`` completely, then (first call only) fix geometry and dtype. Every
         check runs before any attribute changes: a refused call leaves the cache as it was."""
-        for name, a in (("keys", keys), ("values", values)):
-            if not isinstance(a, mx.array):
-                raise InputShapeError(f"{name} must be an mx.array, got {type(a).__name__}")
-            if a.dtype not in _FLOAT_DTYPES:
-                raise InputShapeError(f"{name} must be float16, bfloat16 or float32, got {a.dtype}")
-        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
-            raise InputShapeError(f"keys/values must be (B, n_kv_heads, T, head_dim) with matching B, heads, T; "
-                                  f"got {tuple(keys.shape)} and {tuple(values.shape)}")
-        b, h, _, dk = keys.shape
-        geo = (b, h, dk, values.shape[-1])
+        geo = check_update(keys, values, self.geometry)
         if self.geometry is not None:
-            if geo != self.geometry:
-                raise InputShapeError(f"this cache holds (B, heads, Dk, Dv) = {self.geometry}, got {geo}")
             return
-        if b < 1 or h < 1:
-            raise InputShapeError(f"keys/values need B >= 1 and n_kv_heads >= 1, got {tuple(keys.shape)}")
-        key_codec, value_codec = self._codec(dk), self._codec(geo[3])  # raises on an unsupported head dim
+        key_codec, value_codec = self._codec(geo[2]), self._codec(geo[3])  # raises on an unsupported head dim
         self.geometry = geo
         self.dtype = keys.dtype
-        self._keys, self._values = _Stream(key_codec, (b, h)), _Stream(value_codec, (b, h))
+        self._keys, self._values = _Stream(key_codec, geo[:2]), _Stream(value_codec, geo[:2])
 
     def _target_coded(self, total: int) -> int:
         if self.dense_window == 0:

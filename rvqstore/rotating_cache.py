@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cache import MODES, _Stream
+from .cache import MODES, _Stream, check_update
 from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError
 
@@ -79,16 +79,11 @@ class RVQRotatingKVCache:
         return RVQCodec(dim, self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels)
 
     def _init_geometry(self, keys: mx.array, values: mx.array) -> None:
-        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
-            raise InputShapeError(f"keys/values must be (B, n_kv_heads, T, head_dim) with matching B, heads, T; "
-                                  f"got {tuple(keys.shape)} and {tuple(values.shape)}")
-        b, h, _, dk = keys.shape
-        geo = (b, h, dk, values.shape[-1])
+        geo = check_update(keys, values, self.geometry)  # every check before any state changes
         if self.geometry is None:
+            kc, vc = self._codec(geo[2]), self._codec(geo[3])  # may refuse the head dim: state untouched
             self.geometry, self.dtype = geo, keys.dtype
-            self._keys, self._values = _Stream(self._codec(dk), (b, h)), _Stream(self._codec(geo[3]), (b, h))
-        elif geo != self.geometry:
-            raise InputShapeError(f"this cache holds (B, heads, Dk, Dv) = {self.geometry}, got {geo}")
+            self._keys, self._values = _Stream(kc, geo[:2]), _Stream(vc, geo[:2])
 
     def _limit(self, n: int) -> None:
         """Cut the held tokens to ``keep`` sinks + the latest ``n - keep`` (no-op when n or fewer are held)."""
@@ -241,6 +236,8 @@ class RVQRotatingKVCache:
         c.geometry, c.dtype = (b, h, head_dims[0], head_dims[1]), dtype
         c._keys = _Stream(key_codec or c._codec(head_dims[0]), (b, h))
         c._values = _Stream(value_codec or c._codec(head_dims[1]), (b, h))
+        for stream, packed in ((c._keys, keys), (c._values, values)):  # scales from outside: NaN or in range
+            stream.codec.check_scales(packed[0], dtype)
         c._keys.set_packed(*keys)
         c._values.set_packed(*values)
         c.offset = offset

@@ -1,14 +1,15 @@
 """A refused update_and_fetch leaves the cache exactly as it was; zero-token updates behave like
-mlx-lm's KVCache (issue 12, items 1 and 2)."""
+mlx-lm's KVCache / RotatingKVCache (issue 12, items 1 and 2). Every rvqstore attention cache kind."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from rvqstore import RVQKVCache
+from rvqstore.rotating_cache import RVQRotatingKVCache
 from rvqstore.errors import CodecConfigError, InputShapeError, RVQError
 
 
@@ -32,6 +33,16 @@ def snapshot(c: RVQKVCache) -> dict:
     return out
 
 
+# (name, rvqstore cache, the mlx-lm cache it stands in for)
+KINDS = {
+    "packed": (lambda: RVQKVCache((2, 2)), KVCache),
+    "resident": (lambda: RVQKVCache((2, 2), mode="resident"), KVCache),
+    "packed-window": (lambda: RVQKVCache((2, 2), dense_window=4, flush_block=2), KVCache),
+    "resident-window": (lambda: RVQKVCache((2, 2), mode="resident", dense_window=4, flush_block=2), KVCache),
+    "rotating": (lambda: RVQRotatingKVCache(6, 2, (2, 2)), lambda: RotatingKVCache(6, 2)),
+    "rotating-resident": (lambda: RVQRotatingKVCache(6, 2, (2, 2), mode="resident"), lambda: RotatingKVCache(6, 2)),
+}
+
 BAD_INPUTS = [
     ("int32 keys", lambda: (mx.zeros((1, 2, 3, 64), mx.int32), mx.zeros((1, 2, 3, 64), mx.int32)), InputShapeError),
     ("int32 values", lambda: (kv(3)[0], mx.zeros((1, 2, 3, 64), mx.int32)), InputShapeError),
@@ -45,10 +56,10 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["packed", "resident"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("what,make,err", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_refused_first_call_leaves_fresh_cache_unchanged(mode, what, make, err):
-    c = RVQKVCache((2, 2), mode=mode)
+def test_refused_first_call_leaves_fresh_cache_unchanged(kind, what, make, err):
+    c = KINDS[kind][0]()
     before = snapshot(c)
     for _ in range(2):  # the same bad call twice: the same typed error both times
         with pytest.raises(err):
@@ -57,21 +68,20 @@ def test_refused_first_call_leaves_fresh_cache_unchanged(mode, what, make, err):
     assert c.empty() and c.geometry is None and c.dtype is None
     k, v = kv(5)  # a valid call now behaves as on a fresh cache
     ko, vo = c.update_and_fetch(k, v)
-    fresh = RVQKVCache((2, 2), mode=mode).update_and_fetch(k, v)
+    fresh = KINDS[kind][0]().update_and_fetch(k, v)
     assert ko.dtype == mx.float16 and ko.shape == (1, 2, 5, 64)
     np.testing.assert_array_equal(np.array(ko), np.array(fresh[0]))
     np.testing.assert_array_equal(np.array(vo), np.array(fresh[1]))
 
 
-@pytest.mark.parametrize("mode", ["packed", "resident"])
-@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("what,make,err", BAD_INPUTS + [
     ("other head dim", lambda: kv(3, d=32), InputShapeError),
     ("other heads", lambda: kv(3, h=3), InputShapeError),
     ("other batch", lambda: kv(3, b=2), InputShapeError),
 ], ids=[b[0] for b in BAD_INPUTS] + ["other head dim", "other heads", "other batch"])
-def test_refused_call_leaves_filled_cache_unchanged(mode, window, what, make, err):
-    c = RVQKVCache((2, 2), mode=mode, dense_window=window, flush_block=2)
+def test_refused_call_leaves_filled_cache_unchanged(kind, what, make, err):
+    c = KINDS[kind][0]()
     k, v = kv(7, seed=1)
     c.update_and_fetch(k, v)
     before = snapshot(c)
@@ -86,34 +96,42 @@ def test_refused_call_leaves_filled_cache_unchanged(mode, window, what, make, er
     assert issubclass(err, RVQError)
 
 
-@pytest.mark.parametrize("mode", ["packed", "resident"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
-def test_zero_tokens_on_fresh_cache_matches_kvcache(mode, dtype):
+def test_zero_tokens_on_fresh_cache_matches_mlx_lm(kind, dtype):
+    make, make_ref = KINDS[kind]
     k0, v0 = mx.zeros((1, 2, 0, 64), dtype), mx.zeros((1, 2, 0, 32), dtype)
-    ref = KVCache()
+    ref = make_ref()
     rk, rv = ref.update_and_fetch(k0, v0)
-    c = RVQKVCache((2, 2), mode=mode)
+    c = make()
     ck, cv = c.update_and_fetch(k0, v0)
     assert (ck.shape, cv.shape, ck.dtype, cv.dtype) == (rk.shape, rv.shape, rk.dtype, rv.dtype)
-    assert c.offset == ref.offset == 0 and c.size() == 0
+    assert c.offset == ref.offset == 0 and c.size() == ref.size() == 0
     # then tokens arrive as usual
-    k, v = kv(3, dtype=dtype)
+    k, v = kv(9, dtype=dtype)
     v = v[..., :32]
     ck, cv = c.update_and_fetch(k, v)
     rk, rv = ref.update_and_fetch(k, v)
-    assert ck.shape == rk.shape and cv.shape == rv.shape and c.offset == ref.offset == 3
+    assert ck.shape == rk.shape and cv.shape == rv.shape and c.offset == ref.offset == 9
     a, b = np.array(ck.astype(mx.float32)), np.array(rk.astype(mx.float32))
     assert np.sum((a - b) ** 2) / np.sum(b ** 2) < 0.03  # 2+2 bits: ~0.01 relative error
 
 
-@pytest.mark.parametrize("mode", ["packed", "resident"])
-@pytest.mark.parametrize("window", [0, 4])
-def test_zero_tokens_on_filled_cache_returns_the_history(mode, window):
-    c = RVQKVCache((2, 2), mode=mode, dense_window=window, flush_block=2)
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_tokens_on_filled_cache_match_mlx_lm(kind):
+    """Plain caches return their history unchanged; rotating ones, like mlx-lm's RotatingKVCache,
+    return the window cut to max_size - 1 (what a concatenating update sees)."""
+    make, make_ref = KINDS[kind]
+    c, ref = make(), make_ref()
     k, v = kv(9, seed=3)
-    ko, vo = c.update_and_fetch(k, v)
-    n_coded, n_dense = c.n_coded, c.n_dense
+    c.update_and_fetch(k, v)
+    ref.update_and_fetch(k, v)
+    ko, vo = c.keys_and_values()
     k2, v2 = c.update_and_fetch(k[:, :, :0], v[:, :, :0])
-    assert c.offset == 9 and (c.n_coded, c.n_dense) == (n_coded, n_dense)
-    np.testing.assert_array_equal(np.array(k2), np.array(ko))
-    np.testing.assert_array_equal(np.array(v2), np.array(vo))
+    rk, _ = ref.update_and_fetch(k[:, :, :0], v[:, :, :0])
+    assert c.offset == ref.offset == 9 and k2.shape == rk.shape
+    a, b = np.array(k2.astype(mx.float32)), np.array(rk.astype(mx.float32))
+    assert np.sum((a - b) ** 2) / np.sum(b ** 2) < 0.03
+    if isinstance(c, RVQKVCache):
+        np.testing.assert_array_equal(np.array(k2), np.array(ko))
+        np.testing.assert_array_equal(np.array(v2), np.array(vo))
