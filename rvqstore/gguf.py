@@ -93,9 +93,43 @@ def _llama_args(meta: dict[str, Any], weights: dict[str, mx.array]) -> Any:
     )
 
 
+# ggml tensor types mx.load reads into arrays this loader handles: F32, F16, Q4_0, Q4_1, Q8_0, BF16.
+_HANDLED_TENSOR_TYPES = {0, 1, 2, 3, 8, 30}
+
+
+def check_gguf_supported(path: Path) -> None:
+    """Raise UnsupportedModelError naming every architecture / vocabulary / tensor type this loader does
+    not handle, read from the GGUF header alone (no tensor is loaded)."""
+    from .gguf_header import read_gguf_header
+    from .tokenizer import _PRE_TOKENIZERS
+
+    h = read_gguf_header(path)
+    meta = h.metadata
+    problems = []
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        problems.append(f"architecture {arch!r} (only 'llama'; use an mlx-lm model folder for other models)")
+    vocab = meta.get("tokenizer.ggml.model")
+    if vocab != "gpt2":
+        problems.append(f"vocabulary type {vocab!r} (only byte-level BPE, 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if vocab == "gpt2" and pre not in _PRE_TOKENIZERS:
+        problems.append(f"pre-tokenizer {pre!r}")
+    bad: dict[str, int] = {}
+    for t in h.tensors:
+        if t.ggml_type not in _HANDLED_TENSOR_TYPES:
+            bad[t.type_name] = bad.get(t.type_name, 0) + 1
+    if bad:
+        problems.append("tensor types " + ", ".join(f"{k} ({n} tensors)" for k, n in sorted(bad.items()))
+                        + " (handled: F32, F16, BF16, Q4_0, Q4_1, Q8_0)")
+    if problems:
+        raise UnsupportedModelError(f"{path}: this GGUF is not supported: " + "; ".join(problems))
+
+
 def load_gguf(path: Path) -> tuple[nn.Module, GGUFTokenizer]:
     from mlx_lm.models.llama import Model
 
+    check_gguf_supported(path)
     raw, meta = mx.load(str(path), return_metadata=True)
     arch = meta.get("general.architecture")
     if arch != "llama":
