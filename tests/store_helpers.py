@@ -43,7 +43,6 @@ def start_moto():
     """A moto S3 server on 127.0.0.1 (a free port) and a bucket; returns (server, endpoint)."""
     import logging
 
-    import boto3
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)

@@ -1,0 +1,155 @@
+"""PrefixStore on S3, against a real S3-compatible server (moto's) that the tests start on loopback:
+writer processes racing on shared prefixes, a writer killed mid-put, a corrupted object, eviction
+under a budget, and a restart that finds everything again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from store_helpers import S3_OPTS, kv_cache, s3_client, start_moto, tiny_model, tokens  # noqa: E402
+
+pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+pytest.importorskip("moto", reason="moto[server] is not installed")
+
+from rvqstore.store import PrefixStore, scan  # noqa: E402
+from rvqstore.store.inspection import verify_store  # noqa: E402
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    server, ep = start_moto()
+    yield ep
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def url():
+    return f"s3://rvq-test/{uuid.uuid4().hex[:8]}"
+
+
+def store(url, endpoint, model, **kw):
+    return PrefixStore(url, model=model, block_size=BLOCK, endpoint=endpoint, **S3_OPTS, **kw)
+
+
+def worker(spec, endpoint, url):
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    return subprocess.Popen([sys.executable, str(HERE / "store_helpers.py"),
+                             json.dumps(dict(spec, endpoint=endpoint, url=url, block_size=BLOCK))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def prompt(parts):
+    return [t for seed, n in parts for t in tokens(seed, n)]
+
+
+def all_good(st):
+    report = verify_store(st.backend, decode=True)
+    return report.checked > 0 and not report.bad and not report.orphans
+
+
+def test_two_writer_processes_race_on_shared_prefixes(endpoint, model, url):
+    shared = [[10, 40]]
+    prompts = [shared + [[20 + i, 30]] for i in range(4)] + [shared]
+    start = time.time() + 4.0  # both start publishing at the same moment, in opposite orders
+    procs = [worker({"prompts": prompts, "start_at": start}, endpoint, url),
+             worker({"prompts": prompts[::-1], "start_at": start}, endpoint, url)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    published = sum(json.loads(line)["new_blocks"] for o in outs for line in o[0].splitlines())
+    st = store(url, endpoint, model)
+    idx = scan(st.backend)
+    # every block exactly once, although both writers wrote every prompt
+    assert published == len(idx.blocks)
+    assert all_good(st)
+    for parts in prompts:
+        toks = prompt(parts)
+        n, caches = st.longest_prefix(toks)
+        assert n == len(toks)
+        import rvqstore
+        from test_store import same
+
+        assert same(caches, rvqstore.convert_prompt_cache(kv_cache(model, toks)), n)
+
+
+def test_a_writer_killed_mid_put_leaves_a_clean_prefix(endpoint, model, url):
+    parts = [[30, 160]]  # 10 blocks, published one every 0.4 s
+    p = worker({"prompts": [parts], "delay": 0.4}, endpoint, url)
+    st = store(url, endpoint, model)
+    deadline = time.time() + 60
+    while time.time() < deadline and len(scan(st.backend).blocks) < 3:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=30)
+    have = len(scan(st.backend).blocks)
+    assert 3 <= have < 10
+    assert all_good(st)  # nothing partial, nothing broken
+    toks = prompt(parts)
+    n, _ = st.longest_prefix(toks)
+    assert n == BLOCK * have  # the published blocks form an unbroken prefix
+    r = st.put(toks, kv_cache(model, toks))  # another writer finishes the job
+    assert r.stored_before == n and r.new_blocks == 10 - have
+    assert st.longest_prefix(toks)[0] == len(toks) and all_good(st)
+
+
+def test_a_corrupted_object_is_never_served(endpoint, model, url):
+    toks = prompt([[40, 64]])
+    st = store(url, endpoint, model)
+    st.put(toks, kv_cache(model, toks))
+    idx = scan(st.backend)
+    third = next(b for b in idx.blocks.values() if b.depth == 2)
+    key = f"{url.split('/', 3)[3]}/{third.path}"
+    s3 = s3_client(endpoint)
+    body = bytearray(s3.get_object(Bucket="rvq-test", Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0x01
+    s3.put_object(Bucket="rvq-test", Key=key, Body=bytes(body))
+    assert not all_good(st)
+    fresh = store(url, endpoint, model)
+    n, caches = fresh.longest_prefix(toks)
+    assert n == 2 * BLOCK and fresh.stats.corrupt_blocks == 1  # stops before the bad object, removes it
+    assert fresh.put(toks, kv_cache(model, toks)).new_blocks == 1
+    assert fresh.longest_prefix(toks)[0] == 64 and all_good(fresh)
+
+
+def test_eviction_under_a_budget_then_a_restart_finds_what_is_left(endpoint, model, url):
+    st = store(url, endpoint, model)
+    ps = {name: prompt([[50 + i, 48]]) for i, name in enumerate("abc")}
+    for name, toks in ps.items():
+        st.put(toks, kv_cache(model, toks))
+        time.sleep(1.1)  # S3 times are in whole seconds
+    assert st.longest_prefix(ps["a"])[0] == 48  # a is now the most recently used; b the least
+    from rvqstore.store.keys import chain_keys
+
+    b_keys = {k for _, _, k in chain_keys(st.ns, ps["b"], 0, BLOCK)}
+    blocks = scan(st.backend).blocks.values()
+    budget = sum(x.size for x in blocks if x.name.key not in b_keys)
+    plan = st.gc(max_bytes=budget)
+    assert {x.name.key for x in plan.evict} == b_keys  # exactly the least recently used prompt
+    restarted = store(url, endpoint, model)  # a new process would start exactly like this
+    assert restarted.longest_prefix(ps["b"]) == (0, None)
+    assert restarted.longest_prefix(ps["a"])[0] == 48 and restarted.longest_prefix(ps["c"])[0] == 48
+    assert restarted.du() == budget and all_good(restarted)
+    env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
+               PYTHONPATH=str(HERE.parent))
+    r = subprocess.run([sys.executable, "-m", "rvqstore", "store", "ls", "--json", url], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (ns,) = json.loads(r.stdout)["namespaces"]
+    assert ns["blocks"] == 6 and ns["tokens"] == 96 and ns["leaves"] == 2
