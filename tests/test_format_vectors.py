@@ -83,6 +83,69 @@ def test_valid_vector_loads_and_matches(entry):
         assert counts["sections"] == len(exp["sections"])
 
 
+def _bits_to_float(bits: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    if dtype == "float16":
+        return bits.astype(np.uint16).view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _ulp(x: np.ndarray, dtype: str) -> np.ndarray:
+    p, emin, _ = MV.FORMATS[dtype]
+    e = np.floor(np.log2(np.maximum(np.abs(x), 2.0 ** emin)))
+    return 2.0 ** (e - p + 1)
+
+
+@pytest.mark.parametrize("entry", [e for e in VALID if json.loads(
+    (VEC / "valid" / e["expected"]).read_text())["decoded"]], ids=lambda e: e["file"])
+def test_library_decodes_within_the_spec_tolerance(entry):
+    """Decoded keys/values against the reference bit patterns in the JSON (spec section 10): NaN where
+    the reference is NaN, else within TOL_SCALE * s + 1 ulp of the output dtype."""
+    import mlx.core as mx
+
+    from rvqstore.codec import EncodedVectors
+
+    exp = json.loads((VEC / "valid" / entry["expected"]).read_text())["decoded"]
+    mx_dt = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+    with F.open_rvq(VEC / "valid" / entry["file"]) as f:
+        for base, want in exp.items():
+            layer_i, rest = int(base.split(".")[1]), base.split(".", 2)[2]
+            layer = f.layers[layer_i]
+            if rest.startswith("c"):
+                layer, rest = layer.children[int(rest[1:rest.index(".")])], rest.split(".", 1)[1]
+            side = rest
+            codec = f.codec_for(layer, side, use_kernels=False)
+            arrays = f.layer_arrays(layer, as_mx=True)
+            enc = EncodedVectors(arrays[f"{side}.scales"], arrays[f"{side}.codes1"], arrays.get(f"{side}.codes2"),
+                                 mx_dt[want["dtype"]])
+            out = codec.decode(enc, dtype=mx_dt[want["dtype"]])
+            assert list(out.shape) == want["shape"]
+            got = np.array(out.astype(mx.float32)).astype(np.float64).reshape(-1)
+            ref = _bits_to_float(np.array(want["bits"], dtype=np.uint64), want["dtype"])
+            s = np.repeat(np.array(arrays[f"{side}.scales"].astype(mx.float32)).reshape(-1), codec.dim)
+            nan = np.isnan(ref)
+            assert np.array_equal(np.isnan(got), nan), base
+            tol = MV.TOL_SCALE * np.abs(s[~nan]) + _ulp(ref[~nan], want["dtype"])
+            err = np.abs(got[~nan] - ref[~nan])
+            assert np.all(err <= tol), (base, float(np.max(err / tol)))
+
+
+def test_transposed_rotation_fails_the_reference():
+    """The non-symmetric base matrices make the decode vectors catch a transposed rotation."""
+    q = MV.quantizer(20, (2, 2), 3)
+    M = np.array(MV.rotation_matrix(20))
+    assert not np.array_equal(M, M.T)
+    w1, w2 = MV.codes_words_full(5, 1, 20, 2), MV.codes_words_full(6, 1, 20, 2)
+    ref = MV.decode_reference(q, 0x3F80, w1, w2, "float32")
+    qt = dict(q)
+    y = [q["centroids2"][a][b] for a, b in zip(MV.unpack_codes(w1, 20, 2), MV.unpack_codes(w2, 20, 2))]
+    signs = np.array([-1.0 if q["rotation"]["signs"][c // 8] >> (c % 8) & 1 else 1.0 for c in range(20)])
+    transposed = (np.array(y) @ M) / 20 * signs  # y @ M instead of y @ M^T
+    assert not np.allclose(_bits_to_float(np.array(ref, dtype=np.uint64), "float32"), transposed, atol=1e-3)
+    del qt
+
+
 def test_newer_minor_is_read():
     with F.open_rvq(VEC / "valid" / "newer_minor.rvq") as f:
         assert f.version == (1, 7)

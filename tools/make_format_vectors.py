@@ -26,6 +26,7 @@ import json
 import os
 import struct
 import sys
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable
 
@@ -343,6 +344,252 @@ def v_newer_minor() -> bytes:
     return assemble(content, secs, minor=7)
 
 
+# ---- decoded values: the reference decoder (exact arithmetic, one rounding) ------------------------------
+#: The output formats: (precision in bits incl. the implicit one, minimum normal exponent, maximum exponent).
+FORMATS = {"float32": (24, -126, 127), "float16": (11, -14, 15), "bfloat16": (8, -126, 127)}
+
+
+def round_fraction(q: Fraction, dtype: str) -> int:
+    """Bit pattern of the ``dtype`` value nearest to the exact rational ``q`` (ties to even)."""
+    p, emin, emax = FORMATS[dtype]
+    neg = q < 0
+    a = -q if neg else q
+    if a == 0:
+        v = 0.0
+    else:
+        e = a.numerator.bit_length() - a.denominator.bit_length()  # floor(log2 a) or one more
+        if Fraction(2) ** e > a:
+            e -= 1
+        e = max(e, emin)
+        quantum = Fraction(2) ** (e - p + 1)
+        n = a / quantum
+        N = n.numerator // n.denominator
+        rem = n - N
+        if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and N % 2 == 1):
+            N += 1
+        v_exact = N * quantum
+        v = float("inf") if v_exact >= Fraction(2) ** (emax + 1) else float(v_exact)  # exact: representable
+    if neg:
+        v = -v
+    if dtype == "float32":
+        return struct.unpack("<I", struct.pack("<f", v))[0]
+    if dtype == "float16":
+        return struct.unpack("<H", struct.pack("<e", v))[0]
+    return struct.unpack("<I", struct.pack("<f", v))[0] >> 16  # representable: the low half is zero
+
+
+NAN_BITS = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}
+
+
+def f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _sylvester(i: int, j: int) -> int:
+    return -1 if bin(i & j).count("1") % 2 else 1
+
+
+def rotation_matrix(dim: int) -> list[list[int]]:
+    """M = kron(A_m, S_(2^k)) for dim = m * 2^k, from the spec's appendix matrices."""
+    from rvqstore.hadamard import BASE_MATRICES  # the appendix text (a test checks spec == code)
+
+    m = next(m for m in (28, 20, 12, 1) if dim % m == 0 and (dim // m) & (dim // m - 1) == 0)
+    A = [[1]] if m == 1 else [[1 if ch == "+" else -1 for ch in row] for row in BASE_MATRICES[m]]
+    P = dim // m
+    return [[A[r // P][c // P] * _sylvester(r % P, c % P) for c in range(dim)] for r in range(dim)]
+
+
+def unpack_codes(words: list[int], dim: int, bits: int) -> list[int]:
+    per = 32 // bits
+    return [(words[j // per] >> ((j % per) * bits)) & ((1 << bits) - 1) for j in range(dim)]
+
+
+def decode_reference(q: dict, scale_bits: int, w1: list[int], w2: list[int] | None, out_dtype: str) -> list[int]:
+    """Bit patterns of one decoded vector (spec section 10, "Decoded values")."""
+    dim, b1, b2 = q["dim"], q["bits1"], q["bits2"]
+    if (scale_bits & 0x7F80) == 0x7F80 and scale_bits & 0x7F:  # NaN scale: the vector held NaN/Inf
+        return [NAN_BITS[out_dtype]] * dim
+    s = Fraction(struct.unpack("<f", struct.pack("<I", scale_bits << 16))[0])
+    c1 = [f32(v) for v in q["centroids1"]]
+    i = unpack_codes(w1, dim, b1)
+    if b2:
+        c2 = [[f32(v) for v in row] for row in q["centroids2"]]
+        j = unpack_codes(w2, dim, b2)
+        if q["residual"] == "conditional":
+            y = [c2[a][b] for a, b in zip(i, j)]
+        else:  # shared: the one float32 rounding before the rotation
+            y = [f32(c1[a] + c2[a][b]) for a, b in zip(i, j)]
+    else:
+        y = [c1[a] for a in i]
+    M = rotation_matrix(dim)
+    signs = q["rotation"]["signs"]
+    out = []
+    for c in range(dim):
+        u = sum(Fraction(y[r]) * M[c][r] for r in range(dim)) / dim
+        sg = -1 if signs[c // 8] >> (c % 8) & 1 else 1
+        out.append(round_fraction(u * sg * s, out_dtype))
+    return out
+
+
+#: Decoders may differ from the reference value r (in the output dtype) by at most
+#: TOL_SCALE * s + one unit in the last place of the output dtype at r (spec section 10).
+TOL_SCALE = 2.0 ** -20
+
+
+# ---- vectors of the decode math (dims with non-symmetric base matrices, every stage width) ---------------
+def codes_words_full(seed: int, n_vectors: int, dim: int, bits: int) -> list[int]:
+    """Like codes_words, but every code value 0 .. 2^bits - 1 occurs (top bits of each draw)."""
+    g = splitmix(seed)
+    per = 32 // bits
+    out = []
+    for _ in range(n_vectors):
+        for w in range(-(-dim // per)):
+            word = 0
+            for j in range(min(per, dim - w * per)):
+                word |= (next(g) >> (64 - bits)) << (j * bits)
+            out.append(word)
+    return out
+
+
+def quantizer(dim: int, bits: tuple[int, int], seed: int, residual: str = "conditional") -> dict:
+    """The map RVQCodec(...).to_header() writes (its tables are data; the decode here is our own)."""
+    from rvqstore import RVQCodec
+
+    q = RVQCodec(dim, bits, seed=seed, residual=residual, use_kernels=False).to_header()
+    return json.loads(json.dumps({k: v for k, v in q.items() if k != "rotation"})) | {
+        "rotation": dict(q["rotation"])}
+
+
+def coded_sections(prefix: str, layer: int, q: dict, B: int, H: int, Tq: int, seed: int,
+                   scale_values: list[float] | None = None, nan_at: int | None = None) -> list[dict]:
+    """codes1/codes2/scales of one side, named ``layers.<layer>.<prefix>``."""
+    dim, b1, b2 = q["dim"], q["bits1"], q["bits2"]
+    kind = prefix
+    n = B * H * Tq
+    out = [sec(f"layers.{layer}.{kind}.codes1", layer, f"{kind}.codes1", "uint32",
+               [B, H, Tq, -(-dim // (32 // b1))], pack("I", codes_words_full(seed + 1, n, dim, b1)))]
+    if b2:
+        out.append(sec(f"layers.{layer}.{kind}.codes2", layer, f"{kind}.codes2", "uint32",
+                       [B, H, Tq, -(-dim // (32 // b2))], pack("I", codes_words_full(seed + 2, n, dim, b2))))
+    vals = scale_values or [0.5 + 0.375 * ((seed + i) % 9) for i in range(n)]
+    bits = bf16_bits(vals[:n])
+    if nan_at is not None:
+        bits[nan_at] = 0x7FC0
+    out.append(sec(f"layers.{layer}.{kind}.scales", layer, f"{kind}.scales", "bfloat16", [B, H, Tq], pack("H", bits)))
+    return out
+
+
+def v_decode(dim: int, bits: tuple[int, int], residual: str, dtypes: tuple[str, str], seed: int,
+             nan_at: int | None = None, T: int = 3, H: int = 2) -> tuple[dict, list[dict]]:
+    q = quantizer(dim, bits, seed, residual)
+    content = {"n_tokens": T, "layers": [layer_map(0, "rvq", 1, H, dim, T, 0, *dtypes)], "quantizer": q,
+               "model": None, "metadata": {}}
+    secs = [sec("tokens", -1, "tokens", "int32", [T], pack("i", list(range(100, 100 + T))))]
+    secs += coded_sections("keys", 0, q, 1, H, T, seed * 10, nan_at=nan_at)
+    secs += coded_sections("values", 0, q, 1, H, T, seed * 10 + 5)
+    return content, secs
+
+
+DECODE_VECTORS = {
+    "dim20_shared_4_2_f32.rvq": lambda: v_decode(20, (4, 2), "shared", ("float32", "float32"), 11, nan_at=1),
+    "dim24_2_2_bf16.rvq": lambda: v_decode(24, (2, 2), "conditional", ("bfloat16", "bfloat16"), 12),
+    "dim28_4_0_f16.rvq": lambda: v_decode(28, (4, 0), "conditional", ("float16", "float32"), 13),
+    "dim40_1_3_shared_f16.rvq": lambda: v_decode(40, (1, 3), "shared", ("float16", "bfloat16"), 14),
+    "dim56_3_1_f32.rvq": lambda: v_decode(56, (3, 1), "conditional", ("float32", "float16"), 15, nan_at=0),
+}
+
+
+# ---- revision 1.1: layer kinds, per-side geometry, quantizer tables ------------------------------------------
+def att_map(index, kind, B, H, D, T, nd, kd, vd, **extra) -> dict:
+    return dict(layer_map(index, kind, B, H, D, T, nd, kd, vd), **extra)
+
+
+def v_rotating() -> tuple[dict, list[dict]]:
+    """An rvq-rotating layer (window 4 incl. 1 sink token, 9 tokens seen: 4 kept in temporal order) next
+    to a plain rvq layer; one dense token in the window."""
+    q = quantizer(20, (2, 2), 21)
+    T = 9
+    content = {"n_tokens": T, "quantizer": q, "model": None, "metadata": {},
+               "layers": [att_map(0, "rvq", 1, 1, 20, T, 0, "float16", "float16"),
+                          att_map(1, "rvq-rotating", 1, 1, 20, 4, 1, "float16", "float16",
+                                  max_size=4, keep=1, offset=T)]}
+    secs = [sec("tokens", -1, "tokens", "int32", [T], pack("i", list(range(1, T + 1))))]
+    secs += coded_sections("keys", 0, q, 1, 1, T, 210) + coded_sections("values", 0, q, 1, 1, T, 215)
+    secs += coded_sections("keys", 1, q, 1, 1, 3, 220) + coded_sections("values", 1, q, 1, 1, 3, 225)
+    secs += [sec("layers.1.keys.dense", 1, "keys.dense", "float16", [1, 1, 1, 20], dense_bytes("float16", 226, 20)),
+             sec("layers.1.values.dense", 1, "values.dense", "float16", [1, 1, 1, 20], dense_bytes("float16", 227, 20))]
+    return content, secs
+
+
+def v_arrays() -> tuple[dict, list[dict]]:
+    """A recurrent layer: 3 state slots, slot 1 empty (no section), float32 and bfloat16 states."""
+    content = {"n_tokens": 5, "quantizer": None, "model": None, "metadata": {},
+               "layers": [{"index": 0, "kind": "arrays", "n_tokens": 5, "n_arrays": 3}]}
+    secs = [sec("tokens", -1, "tokens", "int32", [5], pack("i", [9, 8, 7, 6, 5])),
+            sec("layers.0.state.0", 0, "state.0", "float32", [1, 3, 4], dense_bytes("float32", 230, 12)),
+            sec("layers.0.state.2", 0, "state.2", "bfloat16", [1, 2, 2, 2], dense_bytes("bfloat16", 231, 8))]
+    return content, secs
+
+
+def v_list() -> tuple[dict, list[dict]]:
+    """A CacheList layer: child 0 an rvq attention cache, child 1 a recurrent state; then a plain layer."""
+    q = quantizer(24, (2, 1), 24)
+    T = 2
+    child0 = att_map(0, "rvq", 1, 1, 24, T, 0, "bfloat16", "bfloat16")
+    content = {"n_tokens": T, "quantizer": q, "model": None, "metadata": {},
+               "layers": [{"index": 0, "kind": "list", "n_tokens": T,
+                           "children": [child0, {"index": 1, "kind": "arrays", "n_tokens": T, "n_arrays": 1}]},
+                          att_map(1, "rvq", 1, 1, 24, T, 0, "bfloat16", "bfloat16")]}
+    secs = [sec("tokens", -1, "tokens", "int32", [T], pack("i", [3, 4]))]
+    secs += coded_sections("c0.keys", 0, q, 1, 1, T, 240) + coded_sections("c0.values", 0, q, 1, 1, T, 245)
+    secs += [sec("layers.0.c1.state.0", 0, "c1.state.0", "float16", [1, 8], dense_bytes("float16", 246, 8))]
+    secs += coded_sections("keys", 1, q, 1, 1, T, 250) + coded_sections("values", 1, q, 1, 1, T, 255)
+    return content, secs
+
+
+def v_per_side() -> tuple[dict, list[dict]]:
+    """Keys of head dim 56 at 4+2 bits, values of head dim 40 at 2+2 (MLA-like), and a second layer whose
+    keys and values share one table entry but keep values in float32: per-side-geometry + quantizer-table."""
+    qk, qv = quantizer(56, (4, 2), 31), quantizer(40, (2, 2), 32, "shared")
+    T, H = 2, 1
+    content = {"n_tokens": T, "quantizer": None, "quantizers": [qk, qv], "model": None, "metadata": {},
+               "layers": [att_map(0, "rvq", 1, H, 56, T, 0, "bfloat16", "bfloat16", value_head_dim=40,
+                                  key_quantizer=0, value_quantizer=1),
+                          att_map(1, "rvq", 1, H, 40, T, 1, "float16", "float32", key_quantizer=1, value_quantizer=1)]}
+    secs = [sec("tokens", -1, "tokens", "int32", [T], pack("i", [1, 2]))]
+    secs += coded_sections("keys", 0, qk, 1, H, T, 310) + coded_sections("values", 0, qv, 1, H, T, 315)
+    secs += coded_sections("keys", 1, qv, 1, H, T - 1, 320) + coded_sections("values", 1, qv, 1, H, T - 1, 325)
+    secs += [sec("layers.1.keys.dense", 1, "keys.dense", "float16", [1, H, 1, 40], dense_bytes("float16", 326, 40)),
+             sec("layers.1.values.dense", 1, "values.dense", "float32", [1, H, 1, 40], dense_bytes("float32", 327, 40))]
+    return content, secs
+
+
+def features_of(content: dict) -> list[str]:
+    used = set()
+    for row in content["layers"]:
+        for r in [row] + row.get("children", []):
+            if r["kind"] not in ("rvq", "dense"):
+                used.add("layer-kinds")
+            if "value_head_dim" in r:
+                used.add("per-side-geometry")
+    if "quantizers" in content:
+        used.add("quantizer-table")
+    return [f for f in ("per-side-geometry", "quantizer-table", "layer-kinds") if f in used]
+
+
+def assemble_11(content: dict, secs: list[dict], **kw) -> bytes:
+    kw.setdefault("features", features_of(content))
+    return assemble(content, secs, minor=1, **kw)
+
+
+V11 = {
+    "rotating_window.rvq": v_rotating,
+    "arrays_state.rvq": v_arrays,
+    "cache_list.rvq": v_list,
+    "per_side_quantizers.rvq": v_per_side,
+}
+
+
 VALID: dict[str, Callable[[], bytes]] = {
     "worked_example.rvq": lambda: assemble(*v_worked_example()),
     "dense_minimal.rvq": lambda: assemble(*v_dense_minimal()),
@@ -352,6 +599,8 @@ VALID: dict[str, Callable[[], bytes]] = {
     "empty.rvq": lambda: assemble(*v_empty()),
     "zero_tokens.rvq": lambda: assemble(*v_zero_tokens()),
     "newer_minor.rvq": v_newer_minor,
+    **{name: (lambda b=b: assemble(*b())) for name, b in DECODE_VECTORS.items()},
+    **{name: (lambda b=b: assemble_11(*b())) for name, b in V11.items()},
 }
 
 #: Valid vectors the library writer must reproduce byte for byte (raw codecs only), with its inputs.
@@ -362,6 +611,8 @@ WRITER_EQUIVALENT = {
     "single_stage_dim12.rvq": v_single_stage_dim12,
     "empty.rvq": v_empty,
     "zero_tokens.rvq": v_zero_tokens,
+    **DECODE_VECTORS,
+    **V11,
 }
 
 
@@ -391,7 +642,9 @@ def expected_json(data: bytes) -> dict:
         values = list(struct.unpack("<" + fmt[e["dtype"]] * n, raw))
         sections[e["name"]] = {"kind": e["kind"], "layer": e["layer"], "dtype": e["dtype"], "shape": e["shape"],
                                "codec": e["codec"], "values": values}
+    decoded = _decoded(header, sections)
     return {
+        "decoded": decoded,
         "format_version": [pre[1], pre[2]],
         "file_length": len(data),
         "n_tokens": header["n_tokens"],
@@ -402,6 +655,34 @@ def expected_json(data: bytes) -> dict:
         "required_features": header["required_features"],
         "sections": sections,
     }
+
+
+def _decoded(header: dict, sections: dict) -> dict:
+    """Every coded layer side decoded by the reference decoder: bit patterns in the side's dtype."""
+    out = {}
+    table = header.get("quantizers")
+    for row in header["layers"]:
+        subs = [(f"c{j}.", c) for j, c in enumerate(row.get("children", []))] or [("", row)]
+        for prefix, lm in subs:
+            if lm["kind"] not in ("rvq", "rvq-rotating"):
+                continue
+            for side in ("keys", "values"):
+                qi = lm.get("key_quantizer" if side == "keys" else "value_quantizer")
+                q = header["quantizer"] if table is None else table[qi]
+                dim = q["dim"]
+                dtype = lm["key_dtype" if side == "keys" else "value_dtype"]
+                base = f"layers.{row['index']}.{prefix}{side}"
+                sc = sections[f"{base}.scales"]["values"]
+                c1 = sections[f"{base}.codes1"]["values"]
+                c2 = sections[f"{base}.codes2"]["values"] if q["bits2"] else None
+                w1 = -(-dim // (32 // q["bits1"]))
+                w2 = -(-dim // (32 // q["bits2"])) if q["bits2"] else 0
+                bits = []
+                for v in range(len(sc)):
+                    bits += decode_reference(q, sc[v], c1[v * w1:(v + 1) * w1],
+                                             None if c2 is None else c2[v * w2:(v + 1) * w2], dtype)
+                out[base] = {"dtype": dtype, "shape": sections[f"{base}.scales"]["shape"] + [dim], "bits": bits}
+    return out
 
 
 def _decode_handmade_zstd(frame: bytes) -> bytes:
@@ -643,8 +924,10 @@ def _invalid() -> list[tuple[str, str, str, str, Callable[[], bytes]]]:
          lambda: _worked_content_edit(lambda c, s: s.append(
              sec("layers.0.keys.dense", 0, "keys.dense", "float16", [1, 1, 0, 8], b"")))),
         ("codes_words_mismatch.rvq", "MalformedHeaderError", "open",
-         "keys.codes1 has 2 words per vector; 8 codes of 1 bit need 1",
-         lambda: _worked_content_edit(lambda c, s: s.__setitem__(1, dict(s[1], shape=[1, 1, 1, 2])))),
+         "keys.codes1 has 2 words per vector (the second zero); 8 codes of 1 bit need 1: the only fault",
+         lambda: _worked_content_edit(lambda c, s: s.__setitem__(1, dict(
+             s[1], shape=[1, 1, 2, 2], _data=pack("I", [w for x in struct.unpack("<2I", s[1]["_data"])
+                                                         for w in (x, 0)]))))),
         ("rvq_layer_without_quantizer.rvq", "MalformedHeaderError", "open", "an rvq layer but quantizer is nil",
          lambda: W(edit_header=lambda h: h.update(quantizer=None))),
         ("quantizer_version_unknown.rvq", "UnsupportedVersionError", "open", "turboquant-rvq version 2",
@@ -658,6 +941,64 @@ def _invalid() -> list[tuple[str, str, str, str, Callable[[], bytes]]]:
         ("codes_unused_bits.rvq", "MalformedSectionError", "decode",
          "a stage-1 word of a dim-8 1-bit code has bit 31 set (only bits 0..7 carry codes)",
          lambda: _worked_content_edit(lambda c, s: s.__setitem__(1, dict(s[1], _data=pack("I", [0x80000001, 0x5]))))),
+        ("scale_inf.rvq", "MalformedSectionError", "decode",
+         "a key scale is +Inf (bfloat16 0x7f80): only NaN marks a vector that was not finite",
+         lambda: _worked_content_edit(lambda c, s: s.__setitem__(3, dict(s[3], _data=pack("H", [0x7F80, 0x3F80]))))),
+        ("scale_negative.rvq", "MalformedSectionError", "decode", "a key scale is -1.0 (bfloat16 0xbf80)",
+         lambda: _worked_content_edit(lambda c, s: s.__setitem__(3, dict(s[3], _data=pack("H", [0x3F80, 0xBF80]))))),
+        ("scale_overflows_float16.rvq", "MalformedSectionError", "decode",
+         "a finite key scale of 2^20 decodes to values beyond float16's range (the layer's key_dtype)",
+         lambda: _worked_content_edit(lambda c, s: s.__setitem__(3, dict(s[3], _data=pack("H", [0x4980, 0x3F80]))))),
+        ("header_padding_nonzero.rvq", "LayoutError", "open",
+         "a padding byte just before the header is 0x01 (checked when the file is opened)",
+         lambda: (lambda d, h: d[: h - 1] + b"\x01" + d[h:])(W(), struct.unpack("<Q", W()[16:24])[0])),
+        # -- revision 1.1
+        ("entropy_coded_feature.rvq", "UnknownFeatureError", "open",
+         "required_features lists 'entropy-coded' (reserved for the 'rans' section codec, not defined yet)",
+         lambda: W(features=["entropy-coded"])),
+        ("rans_codec.rvq", "MalformedHeaderError", "open",
+         "a section with codec 'rans' (reserved; unknown to this revision)",
+         lambda: W(edit_header=_edit_section(0, codec="rans"))),
+        ("layer_kind_without_feature.rvq", "MalformedHeaderError", "open",
+         "an 'arrays' layer in a file whose required_features lacks 'layer-kinds'",
+         lambda: assemble(*v_arrays(), minor=1, features=[])),
+        ("value_head_dim_without_feature.rvq", "MalformedHeaderError", "open",
+         "a layer with value_head_dim in a file whose required_features lacks 'per-side-geometry'",
+         lambda: assemble(*v_per_side(), minor=1, features=["quantizer-table"])),
+        ("quantizers_without_feature.rvq", "MalformedHeaderError", "open",
+         "a 'quantizers' table in a file whose required_features lacks 'quantizer-table'",
+         lambda: assemble(*v_per_side(), minor=1, features=["per-side-geometry"])),
+        ("quantizer_and_table.rvq", "MalformedHeaderError", "open",
+         "'quantizer' is a map although the file uses 'quantizers' (it must be nil)",
+         lambda: assemble_11(*v_per_side(), edit_header=lambda h: h.update(quantizer=h["quantizers"][1]))),
+        ("quantizer_index_out_of_range.rvq", "MalformedHeaderError", "open",
+         "layers[1].value_quantizer is 2 but the table has 2 entries",
+         lambda: assemble_11(*v_per_side(), edit_header=lambda h: h["layers"][1].update(value_quantizer=2))),
+        ("value_head_dim_mismatch.rvq", "MalformedHeaderError", "open",
+         "layers[0].value_head_dim is 56 but its value quantizer's dim is 40",
+         lambda: assemble_11(*v_per_side(), edit_header=lambda h: h["layers"][0].update(value_head_dim=56))),
+        ("rotating_over_capacity.rvq", "MalformedHeaderError", "open",
+         "an rvq-rotating layer holds 4 tokens but its max_size is 3",
+         lambda: assemble_11(*v_rotating(), edit_header=lambda h: h["layers"][1].update(max_size=3))),
+        ("rotating_keep_over_max_size.rvq", "MalformedHeaderError", "open", "keep 5 exceeds max_size 4",
+         lambda: assemble_11(*v_rotating(), edit_header=lambda h: h["layers"][1].update(keep=5))),
+        ("rotating_offset_below_tokens.rvq", "MalformedHeaderError", "open",
+         "offset 3 is below the layer's n_tokens 4",
+         lambda: assemble_11(*v_rotating(), edit_header=lambda h: h["layers"][1].update(offset=3))),
+        ("state_section_in_rvq_layer.rvq", "MalformedHeaderError", "open",
+         "a 'state.0' section on an rvq layer",
+         lambda: assemble_11(v_rotating()[0], v_rotating()[1] + [
+             sec("layers.0.state.0", 0, "state.0", "float32", [1], pack("f", [1.0]))])),
+        ("arrays_slot_out_of_range.rvq", "MalformedHeaderError", "open",
+         "a 'state.2' section in an arrays layer with n_arrays 2",
+         lambda: assemble_11(*v_arrays(), edit_header=lambda h: h["layers"][0].update(n_arrays=2))),
+        ("list_child_out_of_range.rvq", "MalformedHeaderError", "open",
+         "a 'c1.state.0' section in a list layer with one child",
+         lambda: assemble_11(*v_list(), edit_header=lambda h: h["layers"][0].update(
+             children=h["layers"][0]["children"][:1]))),
+        ("list_in_list.rvq", "MalformedHeaderError", "open", "a child of a list layer is itself a list",
+         lambda: assemble_11(*v_list(), edit_header=lambda h: h["layers"][0]["children"].__setitem__(
+             1, {"index": 1, "kind": "list", "n_tokens": 2, "children": []}))),
         # -- zstd
         ("zstd_without_feature.rvq", "MalformedHeaderError", "open",
          "a zstd section in a file whose required_features lacks 'zstd'", lambda: _zstd_section(features=[])),

@@ -50,8 +50,9 @@ class SectionInfo:
 
     @property
     def known(self) -> bool:
-        """True when this reader understands the section's kind (others are skipped)."""
-        return self.kind in C.KNOWN_KINDS
+        """True when this reader understands the section's kind (others are skipped).  The 1.1 kinds
+        (``state.<k>``, ``c<j>.<kind>``) are interpreted only in files that list 'layer-kinds'."""
+        return _kind_known(self.kind, True)
 
     @property
     def numpy_dtype(self) -> np.dtype:

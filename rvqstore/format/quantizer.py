@@ -181,6 +181,17 @@ def check_codes_padding(codes: np.ndarray, dim: int, bits: int, name: str, path)
         raise MalformedSectionError(path, f"section {name!r}: non-zero bits outside any code (unused high bits must be 0)")
 
 
+def check_scales(bits: np.ndarray, name: str, path) -> None:
+    """Scales (bfloat16 bit patterns) must be NaN (a vector that was not finite when encoded) or finite
+    and non-negative (+0 included); +-Inf and negative values have no meaning (spec section 10)."""
+    mag = bits & 0x7FFF
+    bad = (mag == 0x7F80) | ((bits & 0x8000) != 0) & (mag <= 0x7F80)
+    if np.any(bad):
+        i = int(np.flatnonzero(bad)[0])
+        raise MalformedSectionError(path, f"section {name!r}: scale {i} is {int(bits[i]):#06x} (+-Inf or negative; "
+                                          f"only NaN or a finite value >= 0 is valid)")
+
+
 #: ``verify`` decodes at most this many output bytes (float32) at a time, whatever the layer's shape.
 DECODE_CHUNK_BYTES = 32 << 20
 
@@ -221,6 +232,7 @@ def decode_layers(f, *, chunk_bytes: int = DECODE_CHUNK_BYTES, progress=None) ->
                     c2 = f.read_section(names[f"{side}.codes2"])
                     check_codes_padding(c2, codec.dim, codec.bits2, names[f"{side}.codes2"], f.path)
                 sc = f.read_section(names[f"{side}.scales"]).reshape(-1)
+                check_scales(sc, names[f"{side}.scales"], f.path)
                 if len(sc) == 0:
                     continue
                 c1 = c1.reshape(len(sc), -1)
