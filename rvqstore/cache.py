@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import attention
 from .codec import _FLOAT_DTYPES, DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError
 
@@ -154,6 +155,7 @@ class RVQKVCache:
         self._res_v: mx.array | None = None
         self.dtype: mx.Dtype | None = None
         self.geometry: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
+        attention.install()  # mlx-lm's attention calls reach attend_on_codes (rvqstore.attention.hook)
 
     # ---- helpers ----------------------------------------------------------------------------------
     @property
@@ -265,6 +267,26 @@ class RVQKVCache:
             b, h, dk, dv = self.geometry
             k, v = mx.zeros((b, h, 0, dk), self.dtype), mx.zeros((b, h, 0, dv), self.dtype)
         return k, v
+
+    # ---- attention on the codes (rvqstore.attention) -------------------------------------------------
+    def codes_view(self) -> attention.CodesView:
+        """What attention on codes reads: the streams' buffers, the coded count and the window."""
+        k, v = self._keys, self._values
+        return attention.CodesView(
+            k.codec, v.codec, self.geometry[1], self.n_coded,
+            (k.scales, k.codes1, k.codes2), (v.scales, v.codes1, v.codes2),
+            self._dense_k if self.n_dense else None, self._dense_v if self.n_dense else None)
+
+    def attend_on_codes(self, queries: mx.array, *, scale: float, mask=None, sinks=None) -> mx.array | None:
+        """Attention of ``queries`` over this cache computed from the codes (packed mode), or None
+        where decode-then-SDPA serves the call (resident mode holds decoded keys/values already;
+        calls with many queries; see rvqstore.attention.dispatch)."""
+        if self.mode != "packed" or self.geometry is None:
+            return None
+        if queries.ndim != 4 or queries.shape[1] % self.geometry[1] or queries.shape[-1] != self.geometry[2]:
+            raise InputShapeError(f"queries must be (B, n_heads, L, {self.geometry[2]}) with n_heads a multiple "
+                                  f"of {self.geometry[1]}, got {tuple(queries.shape)}")
+        return attention.attend(self.codes_view(), queries, scale, mask, sinks, use_kernels=self.use_kernels)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """The decoded keys and values held (decoding the codes in packed mode)."""

@@ -1,0 +1,195 @@
+"""Attention on the packed codes (rvqstore.attention) against decode-then-SDPA on the same codes.
+
+Tolerance: the reference decodes the codes to the cache dtype and runs mx.fast.scaled_dot_product_attention
+there; the codes path works in float32 throughout and rounds once at the end. So in float32 the two
+agree to float32 rounding of sums over D and T terms (measured <= 1e-6; bound 2e-5 x max|out|), and in
+float16 to a few float16 roundings: of each decoded key and value (relative 2^-11 each), of the scores
+and of the output; bound 4 x 2^-11 x max|V| (4 half-ulps at the values' scale; measured up to 2.5).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.base import create_causal_mask
+
+from rvqstore import RVQKVCache
+from rvqstore.attention import hook, ops
+from rvqstore.errors import InputShapeError
+
+
+def _kv(b, h, t, d, dtype, seed):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((b, h, t, d)).astype(np.float32)
+    v = rng.standard_normal((b, h, t, d)).astype(np.float32)
+    return mx.array(k).astype(dtype), mx.array(v).astype(dtype)
+
+
+def _tolerance(dtype, v, ref):
+    if dtype == mx.float32:
+        return 2e-5 * max(1.0, float(mx.abs(ref).max()))
+    return 4 * 2.0 ** -11 * float(mx.abs(v.astype(mx.float32)).max())
+
+
+def _check(cache, q, K, V, scale, mask, sinks=None):
+    ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=scale, mask=mask, sinks=sinks)
+    got = cache.attend_on_codes(q, scale=scale, mask=mask, sinks=sinks)
+    assert got is not None and got.shape == ref.shape and got.dtype == ref.dtype
+    err = float(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max())
+    assert err <= _tolerance(q.dtype, V, ref), err
+    return err
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("d,hkv,group,n,window,bits", [
+    (64, 2, 1, 37, 0, (2, 2)), (64, 1, 4, 129, 16, (4, 2)), (128, 1, 8, 61, 0, (4, 2)),
+    (96, 2, 4, 45, 8, (2, 2)), (80, 1, 8, 33, 4, (2, 2)), (128, 2, 4, 70, 0, (3, 1)), (32, 4, 1, 9, 0, 4),
+])
+def test_decode_step_matches_decode_then_sdpa(dtype, d, hkv, group, n, window, bits):
+    cache = RVQKVCache(bits, dense_window=window, flush_block=8)
+    k, v = _kv(1, hkv, n, d, dtype, seed=d + n)
+    cache.update_and_fetch(k[:, :, :-1], v[:, :, :-1])
+    K, V = cache.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
+    assert (cache.n_dense > 0) == (window > 0) and cache.n_coded > 0
+    q = mx.array(np.random.default_rng(n).standard_normal((1, hkv * group, 1, d)).astype(np.float32)).astype(dtype)
+    for mask in (None, "causal", create_causal_mask(1, n - 1, window_size=11)):
+        _check(cache, q, K, V, d ** -0.5, mask)
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_several_queries_masks_batches_and_sinks(window):
+    b, hkv, group, d, n, L = 2, 2, 4, 64, 51, 5
+    cache = RVQKVCache((2, 2), dense_window=window, flush_block=4)
+    k, v = _kv(b, hkv, n, d, mx.float32, seed=3)
+    K, V = cache.update_and_fetch(k, v)
+    q = mx.array(np.random.default_rng(4).standard_normal((b, hkv * group, L, d)).astype(np.float32))
+    sinks = mx.array(np.random.default_rng(5).standard_normal(hkv * group).astype(np.float32))
+    additive = mx.where(create_causal_mask(L, n - L), 0.0, -1e9)  # additive float mask
+    per_head = mx.broadcast_to(create_causal_mask(L, n - L, window_size=7), (b, hkv * group, L, n))
+    for mask in ("causal", create_causal_mask(L, n - L, window_size=7), additive, per_head):
+        _check(cache, q, K, V, 0.125, mask)
+    _check(cache, q, K, V, 0.125, "causal", sinks=sinks)
+
+
+def test_all_tokens_in_window_and_resident_mode_defer_to_sdpa():
+    cache = RVQKVCache((2, 2), dense_window=64)
+    k, v = _kv(1, 1, 10, 64, mx.float32, 0)
+    K, V = cache.update_and_fetch(k, v)
+    assert cache.n_coded == 0
+    _check(cache, mx.ones((1, 2, 1, 64)), K, V, 0.1, None)  # window only: still one softmax, exact inputs
+    resident = RVQKVCache((2, 2), mode="resident")
+    resident.update_and_fetch(k, v)
+    assert resident.attend_on_codes(mx.ones((1, 2, 1, 64)), scale=0.1) is None
+
+
+def test_bad_queries_and_masks_get_typed_errors():
+    cache = RVQKVCache((2, 2))
+    k, v = _kv(1, 2, 12, 64, mx.float32, 0)
+    cache.update_and_fetch(k, v)
+    with pytest.raises(InputShapeError):
+        cache.attend_on_codes(mx.ones((1, 3, 1, 64)), scale=1.0)  # 3 heads over 2 KV heads
+    with pytest.raises(InputShapeError):
+        cache.attend_on_codes(mx.ones((1, 2, 1, 32)), scale=1.0)
+    with pytest.raises(InputShapeError):
+        cache.attend_on_codes(mx.ones((1, 2, 1, 64)), scale=1.0, mask="sliding")
+    with pytest.raises(InputShapeError):
+        cache.attend_on_codes(mx.ones((1, 4, 1, 64)), scale=1.0, mask=mx.ones((1, 3, 1, 12), mx.bool_))
+    assert cache.offset == 12 and cache.n_coded == 12  # a failed call leaves the cache as it was
+
+
+def test_rotated_domain_identity():
+    # q . k == s_k * (q_rot . y_k): the identity the whole formulation rests on
+    cache = RVQKVCache((4, 2))
+    k, v = _kv(1, 1, 16, 128, mx.float32, 7)
+    K, _ = cache.update_and_fetch(k, v)
+    view = cache.codes_view()
+    q = mx.array(np.random.default_rng(8).standard_normal((1, 1, 1, 128)).astype(np.float32))
+    yk, sk = view.rotated_keys()
+    direct = (q @ K.swapaxes(-1, -2))[0, 0, 0]
+    via = (ops.rotate_queries(view, q, 1.0) @ yk.swapaxes(-1, -2))[0, 0, 0] * sk[0, 0]
+    np.testing.assert_allclose(np.array(via), np.array(direct), rtol=1e-5, atol=1e-5)
+
+
+# ---- the mlx-lm hook ---------------------------------------------------------------------------------------
+_TINY = {
+    "llama": dict(model_type="llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32),
+    "qwen3": dict(model_type="qwen3", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, max_position_embeddings=512, rope_theta=10000.0),
+    "gemma3_text": dict(model_type="gemma3_text", num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=32, sliding_window=8, sliding_window_pattern=3,
+                        query_pre_attn_scalar=32, max_position_embeddings=512),
+}
+
+
+def _tiny(arch):
+    import importlib
+
+    cfg = dict(vocab_size=96, hidden_size=64, intermediate_size=128, rms_norm_eps=1e-5,
+               tie_word_embeddings=True, **_TINY[arch])
+    mod = importlib.import_module(f"mlx_lm.models.{arch}")
+    mx.random.seed(0)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    mx.eval(model.parameters())
+    return model, mod
+
+
+@pytest.mark.parametrize("arch", sorted(_TINY))
+def test_hook_serves_each_architecture_from_the_codes(arch, monkeypatch):
+    from rvqstore import make_prompt_cache
+
+    model, mod = _tiny(arch)
+    cache = make_prompt_cache(model, (4, 2))
+    assert hook.hooked(mod) and hook.hooked(sys.modules["mlx_lm.models.base"])
+    served, errors = [], []
+    real = RVQKVCache.attend_on_codes
+
+    def spy(self, queries, *, scale, mask=None, sinks=None):
+        out = real(self, queries, scale=scale, mask=mask, sinks=sinks)
+        K, V = self._fetch()
+        ref = mx.fast.scaled_dot_product_attention(queries, K, V, scale=scale, mask=mask, sinks=sinks)
+        errors.append(float(mx.abs(out - ref).max()))
+        served.append(queries.shape[2])
+        return out
+
+    monkeypatch.setattr(RVQKVCache, "attend_on_codes", spy)
+    tokens = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
+    logits = model(tokens, cache=cache)
+    for t in (5, 9, 2):
+        logits = model(mx.array([[t]]), cache=cache)
+    mx.eval(logits)
+    rvq_layers = sum(isinstance(c, RVQKVCache) for c in cache)
+    assert rvq_layers >= 1 and served.count(1) == 3 * rvq_layers and served.count(12) == rvq_layers
+    assert max(errors) < 1e-4
+
+
+def test_hook_install_is_idempotent_and_uninstall_restores():
+    import mlx_lm.models.base as base
+    import mlx_lm.models.llama as llama
+
+    hook.install()
+    wrapped = base.scaled_dot_product_attention
+    hook.install()
+    assert base.scaled_dot_product_attention is wrapped and llama.scaled_dot_product_attention is wrapped
+    original = wrapped.__wrapped__
+    hook.uninstall()
+    try:
+        assert base.scaled_dot_product_attention is original and llama.scaled_dot_product_attention is original
+    finally:
+        hook.install()
+    assert hook.hooked(llama)
+
+
+def test_greedy_smollm2_matches_decode_then_sdpa(smollm2, sample_tokens):
+    """64 greedy tokens on the bundled model: attention on codes == decode-then-SDPA, token for token."""
+    from rvqstore import make_prompt_cache
+    from rvqstore.generation import greedy_tokens
+
+    model, _ = smollm2
+    prompt = sample_tokens[:96]
+    on_codes = list(greedy_tokens(model, make_prompt_cache(model), prompt, 64))
+    with hook.bypass():
+        reference = list(greedy_tokens(model, make_prompt_cache(model), prompt, 64))
+    assert len(on_codes) == 64 and on_codes == reference
