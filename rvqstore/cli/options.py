@@ -36,9 +36,12 @@ def codec_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_model(args: argparse.Namespace):
-    from ..blas import maybe_reexec_with_openblas
+    from ..blas import maybe_reexec_with_openblas, slow_blas_advice
 
     maybe_reexec_with_openblas()  # a model run wants the fast BLAS (re-executes once if it helps)
+    advice = slow_blas_advice()
+    if advice:  # a fresh machine without OpenBLAS: say why the prefill will crawl and what fixes it
+        print(f"warning: {advice}", file=sys.stderr)
     from ..model import load_model
 
     return load_model(args.model)
