@@ -10,6 +10,8 @@ One kernel body serves two dialects: ``mx.fast.metal_kernel`` (Apple GPUs) and
   body: thread indices. MLX scans a Metal body's *text* for thread-attribute names, so they are
   written out there, not hidden in a header macro.
 * ``rvq_encode.inc`` / ``rvq_decode.inc``: the kernel bodies.
+* ``rvq_attend.inc`` (with ``rvq_attend_body_prelude_*.inc``): split-K attention straight on the
+  packed codes (used by :mod:`rvqstore.attention.kernel`).
 
 :func:`load_source` reads one of them from the installed package.
 """
@@ -27,6 +29,9 @@ SOURCES = (
     "rvq_body_prelude_cuda.inc",
     "rvq_encode.inc",
     "rvq_decode.inc",
+    "rvq_attend_body_prelude_metal.inc",
+    "rvq_attend_body_prelude_cuda.inc",
+    "rvq_attend.inc",
 )
 
 

@@ -66,3 +66,10 @@ struct rvq_vec<1> {
 // v: a local float[VL]; p: a float pointer; off: element offset (a multiple of VL)
 #define RVQ_LOADV(v, p, off, VL, al) rvq_vec<VL>::load((v), (p), (off), (al))
 #define RVQ_STOREV(p, off, v, VL, al) rvq_vec<VL>::store((p), (off), (v), (al))
+
+// ---- attention on codes (rvq_attend.inc) ----
+#define RVQ_EXP(x) __expf(x)
+#define RVQ_NEG_INF __int_as_float(0xff800000)
+#define RVQ_FMAX(a, b) fmaxf((a), (b))
+// bfloat16 scale, passed as its uint16 bits: the float with those bits on top
+#define RVQ_BF16(u) __uint_as_float(uint(u) << 16)

@@ -18,3 +18,10 @@ typedef ulong rvq_u64;
   for (int rvq_e_ = 0; rvq_e_ < (VL); ++rvq_e_) (v)[rvq_e_] = (p)[(off) + rvq_e_]
 #define RVQ_STOREV(p, off, v, VL, al) \
   for (int rvq_e_ = 0; rvq_e_ < (VL); ++rvq_e_) (p)[(off) + rvq_e_] = (v)[rvq_e_]
+
+// ---- attention on codes (rvq_attend.inc) ----
+#define RVQ_EXP(x) metal::fast::exp(x)
+#define RVQ_NEG_INF as_type<float>(0xff800000u)
+#define RVQ_FMAX(a, b) metal::fmax((a), (b))
+// bfloat16 scale, passed as its uint16 bits: the float with those bits on top
+#define RVQ_BF16(u) as_type<float>(uint(u) << 16)

@@ -1,7 +1,211 @@
-"""Split-K attention kernel on packed codes (GPU backends). Placeholder until the kernel lands."""
+"""Split-K attention on the packed codes, on a GPU backend (``kernels/rvq_attend.inc``).
+
+One launch per layer and step computes, for each (batch x KV head, split of the coded tokens), the
+partial softmax state of all ``R = G * L`` query rows of the head's GQA group: ``m`` (row max),
+``l`` (sum of exp) and ``o`` (the exp-weighted sum of value rows in the rotated domain). Splitting
+the sequence across threadgroups (flash-decoding) fills the GPU with a single query. :func:`combine`
+then merges the splits, the full-precision window and sinks in one softmax (MLX ops on tensors of
+``splits x R x D``), un-rotates once and normalizes.
+
+:func:`partials_reference` computes the same partials with MLX ops: the kernel's model, so the split
+bookkeeping and :func:`combine` are tested on every backend, and the kernel against it on a GPU.
+
+The kernel takes: codes of 1, 2 or 4 bits per stage, head dims that are multiples of 4 up to 256,
+up to :data:`MAX_ROWS` rows, masks None or ``"causal"``. Other calls return None here and the
+MLX-ops formulation serves them. A kernel that fails to build or run is latched off (logged once)
+like the codec's fused kernels.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import math
+import threading
 
-def attend(view, queries, scale, mask, sinks):
+import mlx.core as mx
+import numpy as np
+
+from .. import fused
+from . import masks, ops
+from .view import CodesView
+
+log = logging.getLogger("rvqstore.kernels")
+
+THREADS = 128
+MAX_ROWS = 8
+MAX_DIM = 256
+#: aim for this many threadgroups per launch (the H200 has 132 SMs)
+TARGET_GROUPS = 528
+
+_lock = threading.Lock()
+_kernels: dict = {}
+_disabled: dict = {}
+_tables: dict = {}
+
+
+def sources(dialect: str) -> tuple[str, str]:
+    prelude = fused.load_source("rvq_prelude_metal.h" if dialect == "metal" else "rvq_prelude_cuda.cuh")
+    body = fused.load_source(f"rvq_attend_body_prelude_{dialect}.inc") + fused.load_source("rvq_attend.inc")
+    return prelude, body
+
+
+def _kernel(dialect: str):
+    k = _kernels.get(dialect)
+    if k is None:
+        header, body = sources(dialect)
+        digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
+        make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+        k = _kernels[dialect] = make(
+            name=f"rvq_attend_{digest}", input_names=["q", "ks", "k1", "k2", "vs", "v1", "v2", "tab", "params"],
+            output_names=["o", "ml"], source=body, header=header, ensure_row_contiguous=True)
+    return k
+
+
+def supported(view: CodesView, rows: int) -> str | None:
+    """None if the kernel takes this call, else why not."""
+    kc, vc = view.key_codec, view.value_codec
+    if (kc.bits1, kc.bits2, kc.residual) != (vc.bits1, vc.bits2, vc.residual):
+        return "keys and values coded differently"
+    if kc.bits1 not in (1, 2, 4) or kc.bits2 not in (0, 1, 2, 4):
+        return "3-bit codes"
+    if kc.dim % 4 or vc.dim % 4 or max(kc.dim, vc.dim) > MAX_DIM:
+        return "head dim not a multiple of 4 or above 256"
+    if rows > MAX_ROWS:
+        return f"{rows} query rows per KV head (kernel takes {MAX_ROWS})"
     return None
+
+
+def decode_table(codec) -> tuple[mx.array, int]:
+    key = (codec.bits1, codec.bits2, codec.residual, codec.centroids1.tobytes(),
+           None if codec.centroids2 is None else codec.centroids2.tobytes())
+    t = _tables.get(key)
+    if t is None:
+        plan = fused.make_plan(codec, fused.DECODE)
+        t = _tables[key] = (plan.tab, plan.tabn)
+    return t
+
+
+def split_plan(n: int, bh: int) -> tuple[int, int]:
+    """``(chunk, splits)``: tokens per threadgroup (a multiple of THREADS) and how many splits."""
+    want = max(1, TARGET_GROUPS // max(1, bh))
+    chunk = max(THREADS, -(-(-(-n // want)) // THREADS) * THREADS)
+    return chunk, max(1, -(-n // chunk))
+
+
+def launch(view: CodesView, q_rot: mx.array, n_queries: int, causal: bool, dialect: str):
+    """Run the kernel: ``(o (BH, S, R, Dv), ml (BH, S, R, 2))`` for rotated queries ``(B, Hkv, R, Dk)``."""
+    b, hkv, rows, dk = q_rot.shape
+    kc, vc = view.key_codec, view.value_codec
+    ks, k1, k2 = view.key_buffers
+    vs, v1, v2 = view.value_buffers
+    cap, n = int(ks.shape[-1]), view.n_coded
+    bh = b * hkv
+    chunk, splits = split_plan(n, bh)
+    tab, tabn = decode_table(kc)
+    params = mx.array([n, cap, chunk, splits, n_queries, view.n_total, int(causal)], dtype=mx.uint32)
+    two = kc.bits2 > 0
+    mode = fused.MODE_SINGLE if not two else (fused.MODE_CONDITIONAL if kc.residual == "conditional"
+                                              else fused.MODE_SHARED)
+    out = _kernel(dialect)(
+        inputs=[q_rot, ks.view(mx.uint16), k1, k2 if two else k1, vs.view(mx.uint16), v1, v2 if two else v1,
+                tab, params],
+        template=[("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_MODE", mode), ("T_DK", dk), ("T_DV", vc.dim),
+                  ("T_R", rows), ("T_TG", THREADS), ("T_TABN", tabn)],
+        grid=(bh * splits * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(bh, splits, rows, vc.dim), (bh, splits, rows, 2)],
+        output_dtypes=[mx.float32, mx.float32])
+    return out[0], out[1]
+
+
+def partials_reference(view: CodesView, q_rot: mx.array, n_queries: int, causal: bool):
+    """The kernel's outputs computed with MLX ops (same splits, same definitions)."""
+    b, hkv, rows, dk = q_rot.shape
+    n = view.n_coded
+    chunk, splits = split_plan(n, b * hkv)
+    yk, sk = view.rotated_keys()
+    yv, sv = view.rotated_values()
+    s = (q_rot @ yk.swapaxes(-1, -2)) * sk[:, :, None, :]  # (B, Hkv, R, n)
+    if causal:
+        pos = view.n_total - n_queries + (mx.arange(rows) % n_queries)
+        s = mx.where(mx.arange(n)[None, :] <= pos[:, None], s, -mx.inf)
+    pad = splits * chunk - n
+    s = mx.pad(s, [(0, 0), (0, 0), (0, 0), (0, pad)], constant_values=-float("inf"))
+    s = s.reshape(b * hkv, rows, splits, chunk).transpose(0, 2, 1, 3)  # (BH, S, R, chunk)
+    m = s.max(axis=-1)
+    e = mx.where(m[..., None] == -mx.inf, 0.0, mx.exp(s - m[..., None]))
+    l = e.sum(axis=-1)
+    wv = mx.pad(yv * sv[..., None], [(0, 0), (0, 0), (0, pad), (0, 0)])
+    wv = wv.reshape(b * hkv, splits, chunk, -1)
+    o = e @ wv
+    return o, mx.stack([m, l], axis=-1)
+
+
+def combine(view: CodesView, queries: mx.array, scale: float, o: mx.array, ml: mx.array, mask, sinks) -> mx.array:
+    """Merge the splits with the window and sinks in one softmax; un-rotate once; normalize."""
+    b, hq, l, dk = queries.shape
+    hkv = view.n_kv_heads
+    g = hq // hkv
+    rows = g * l
+    m = ml[..., 0].reshape(b, hkv, -1, rows)  # (B, Hkv, S, R)
+    lsum = ml[..., 1].reshape(b, hkv, -1, rows)
+    top = m.max(axis=2)  # (B, Hkv, R)
+    sd = None
+    if view.n_dense:
+        qd = (queries.astype(mx.float32) * scale).reshape(b, hkv, rows, dk)
+        sd = qd @ view.dense_keys.astype(mx.float32).swapaxes(-1, -2)  # (B, Hkv, R, W)
+        if masks.is_causal(mask) and l > 1:
+            pos = view.n_total - l + (mx.arange(rows) % l)
+            sd = mx.where(view.n_coded + mx.arange(view.n_dense)[None, :] <= pos[:, None], sd, -mx.inf)
+        top = mx.maximum(top, sd.max(axis=-1))
+    sk = None
+    if sinks is not None:
+        sk = mx.repeat(sinks.astype(mx.float32).reshape(hkv, g), l, axis=1)[None]  # (1, Hkv, R)
+        top = mx.maximum(top, sk)
+    w = mx.where(m == -mx.inf, 0.0, mx.exp(m - top[:, :, None, :]))  # (B, Hkv, S, R)
+    den = (w * lsum).sum(axis=2)
+    o_rot = (w[..., None] * o.reshape(b, hkv, -1, rows, o.shape[-1])).sum(axis=2)  # (B, Hkv, R, Dv)
+    out = ops.unrotate_output(view, o_rot)
+    if sd is not None:
+        ed = mx.exp(sd - top[..., None])
+        den = den + ed.sum(axis=-1)
+        out = out + ed @ view.dense_values.astype(mx.float32)
+    if sk is not None:
+        den = den + mx.exp(sk - top)
+    out = out / den[..., None]
+    return out.reshape(b, hq, l, -1).astype(queries.dtype)
+
+
+def attend(view: CodesView, queries: mx.array, scale: float, mask, sinks) -> mx.array | None:
+    """Kernel attention, or None (no GPU backend, a call the kernel does not take, latched off)."""
+    dialect = fused.gpu_backend()
+    if dialect is None or not fused._on_gpu() or dialect in _disabled:
+        return None
+    if mask is not None and not masks.is_causal(mask):
+        return None
+    b, hq, l, _ = queries.shape
+    rows = (hq // view.n_kv_heads) * l
+    if supported(view, rows) is not None:
+        return None
+    q_rot = ops.rotate_queries(view, queries, scale).reshape(b, view.n_kv_heads, rows, -1)
+    causal = masks.is_causal(mask) and l > 1
+    try:
+        o, ml = launch(view, q_rot, l, causal, dialect)
+        if dialect not in _verified:
+            mx.eval(o, ml)  # first use: build and run now, where a failure can still fall back
+            with _lock:
+                _verified.add(dialect)
+    except Exception as err:  # a kernel that cannot build or run: latch off, say so once
+        with _lock:
+            _disabled[dialect] = f"{type(err).__name__}: {err}"
+        log.warning("attention kernel (%s) switched off; using the MLX-ops formulation: %s", dialect, err)
+        return None
+    return combine(view, queries, scale, o, ml, mask, sinks)
+
+
+_verified: set = set()
+
+
+def disabled() -> dict:
+    with _lock:
+        return dict(_disabled)

@@ -1,0 +1,180 @@
+"""The split-K attention kernel (kernels/rvq_attend.inc) on a GPU backend, and its model on every backend.
+
+On the CPU: ``partials_reference`` (the kernel's outputs computed with MLX ops, same splits) merged by
+``combine`` equals the MLX-ops formulation; the dispatch falls back and latches off when the kernel
+fails. On a GPU (tests marked ``gpu``): the kernel's partials equal the model's to float32 rounding
+(relative 1e-5: the kernel sums the D products and the tokens of a split in another order), and the
+whole call equals decode-then-SDPA within the float16 bound of tests/test_attention.py. With
+RVQ_ATTN_PARITY_REPORT=path each GPU comparison appends a line there (tools/results/gpu-parity-attention.txt).
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from rvqstore import RVQKVCache, fused
+from rvqstore.attention import hook, kernel, ops
+
+REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
+
+
+def _cache(bits, hkv, n, d, *, b=1, window=0, dtype=mx.float32, seed=0, residual="conditional"):
+    rng = np.random.default_rng(seed)
+    c = RVQKVCache(bits, residual=residual, dense_window=window, flush_block=8)
+    k = mx.array(rng.standard_normal((b, hkv, n, d)).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.standard_normal((b, hkv, n, d)).astype(np.float32)).astype(dtype)
+    c.update_and_fetch(k[:, :, : n - 1], v[:, :, : n - 1])
+    kk, vv = c.update_and_fetch(k[:, :, n - 1:], v[:, :, n - 1:])
+    return c, kk, vv
+
+
+def _queries(b, hq, L, d, dtype=mx.float32, seed=1):
+    return mx.array(np.random.default_rng(seed).standard_normal((b, hq, L, d)).astype(np.float32)).astype(dtype)
+
+
+def _record(kind, ok, detail):
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(f"{kind}\t{'pass' if ok else 'FAIL'}\t{detail}\n")
+
+
+@pytest.mark.parametrize("n,L,window,sinks", [(1000, 1, 0, False), (300, 1, 16, True), (130, 3, 8, False)])
+def test_kernel_model_and_combine_equal_the_ops_formulation(n, L, window, sinks):
+    hkv, g, d = 2, 4, 64
+    c, _, _ = _cache((2, 2), hkv, n, d, window=window)
+    view = c.codes_view()
+    q = _queries(1, hkv * g, L, d)
+    sk = mx.array(np.random.default_rng(2).standard_normal(hkv * g).astype(np.float32)) if sinks else None
+    mask = "causal" if L > 1 else None
+    q_rot = ops.rotate_queries(view, q, 0.1).reshape(1, hkv, g * L, d)
+    o, ml = kernel.partials_reference(view, q_rot, L, L > 1)
+    assert o.shape[1] == kernel.split_plan(view.n_coded, hkv)[1]
+    got = kernel.combine(view, q, 0.1, o, ml, mask, sk)
+    ref = ops.attend(view, q, 0.1, mask, sk)
+    np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_split_plan_covers_every_token_once():
+    for n in (1, 127, 128, 129, 1000, 32768, 131072):
+        for bh in (1, 8, 64):
+            chunk, splits = kernel.split_plan(n, bh)
+            assert chunk % kernel.THREADS == 0 and (splits - 1) * chunk < n <= splits * chunk
+
+
+def test_failing_kernel_falls_back_and_latches_off(monkeypatch, caplog):
+    monkeypatch.setattr(fused, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(fused, "_on_gpu", lambda: True)
+    monkeypatch.setattr(kernel, "_disabled", {})
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(kernel, "launch", broken)
+    monkeypatch.setattr(kernel, "_verified", set())
+    c, K, V = _cache((2, 2), 1, 40, 64)
+    q = _queries(1, 4, 1, 64)
+    with caplog.at_level("WARNING", logger="rvqstore.kernels"):
+        a = c.attend_on_codes(q, scale=0.125)
+        b = c.attend_on_codes(q, scale=0.125)
+    assert len(calls) == 1 and "cuda" in kernel.disabled()
+    assert sum("attention kernel" in r.message for r in caplog.records) == 1
+    ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=0.125)
+    np.testing.assert_allclose(np.array(a), np.array(ref), rtol=1e-5, atol=1e-6)
+    assert mx.array_equal(a, b)
+
+
+def test_kernel_declines_what_it_does_not_take():
+    c, _, _ = _cache((3, 1), 1, 20, 64)
+    assert kernel.supported(c.codes_view(), 4) == "3-bit codes"
+    c, _, _ = _cache((2, 2), 1, 20, 64)
+    assert kernel.supported(c.codes_view(), 16) is not None and kernel.supported(c.codes_view(), 8) is None
+
+
+# ---- on the GPU ------------------------------------------------------------------------------------------
+GPU_CASES = [
+    # (bits, residual, d, hkv, group, L, n, b, window)
+    ((2, 2), "conditional", 128, 8, 4, 1, 1000, 1, 0),
+    ((2, 2), "conditional", 128, 2, 8, 1, 4097, 1, 0),
+    ((4, 2), "conditional", 128, 8, 4, 1, 777, 1, 16),
+    ((4, 2), "conditional", 64, 3, 3, 1, 129, 2, 0),
+    ((2, 2), "conditional", 64, 2, 1, 1, 1, 1, 0),
+    ((2, 2), "shared", 96, 2, 4, 2, 333, 1, 0),
+    ((1, 1), "conditional", 256, 1, 8, 1, 513, 1, 8),
+    ((4, 0), "conditional", 80, 2, 2, 2, 70, 1, 0),
+    ((4, 4), "conditional", 128, 4, 2, 4, 2048, 1, 0),
+    ((2, 4), "conditional", 128, 8, 1, 1, 33000, 1, 0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[0][0]}+{c[0][1]}-{c[1][:4]}-d{c[2]}-h{c[3]}g{c[4]}"
+                         f"-L{c[5]}-n{c[6]}-b{c[7]}-w{c[8]}")
+def test_gpu_kernel_parity(case):
+    bits, residual, d, hkv, g, L, n, b, window = case
+    dialect = fused.gpu_backend()
+    c, K, V = _cache(bits, hkv, n, d, b=b, window=window, residual=residual, seed=n)
+    view = c.codes_view()
+    assert kernel.supported(view, g * L) is None
+    q = _queries(b, hkv * g, L, d, seed=d)
+    q_rot = ops.rotate_queries(view, q, d ** -0.5).reshape(b, hkv, g * L, d)
+    o, ml = kernel.launch(view, q_rot, L, L > 1, dialect)
+    ro, rml = kernel.partials_reference(view, q_rot, L, L > 1)
+    scale_o = float(mx.abs(ro).max()) + 1e-30
+    err_o = float(mx.abs(o - ro).max()) / scale_o
+    m, rm = np.array(ml[..., 0]), np.array(rml[..., 0])
+    same_inf = bool(np.array_equal(np.isinf(m), np.isinf(rm)))
+    fin = np.isfinite(rm)
+    err_m = float(np.abs(m[fin] - rm[fin]).max()) if fin.any() else 0.0
+    err_l = float(mx.abs(ml[..., 1] - rml[..., 1]).max() / (mx.abs(rml[..., 1]).max() + 1e-30))
+    ok = err_o < 1e-5 and err_l < 1e-5 and err_m < 1e-4 and same_inf
+    _record("partials", ok, f"{case} rel_err o={err_o:.2e} l={err_l:.2e} abs_err m={err_m:.2e}")
+    assert ok, (err_o, err_l, err_m, same_inf)
+    # the whole call (kernel + combine) vs decode-then-SDPA, float16 inputs
+    c16, K16, V16 = _cache(bits, hkv, n, d, b=b, window=window, residual=residual, seed=n, dtype=mx.float16)
+    q16 = q.astype(mx.float16)
+    mask = "causal" if L > 1 else None
+    got = c16.attend_on_codes(q16, scale=d ** -0.5, mask=mask)
+    ref = mx.fast.scaled_dot_product_attention(q16, K16, V16, scale=d ** -0.5, mask=mask)
+    err = float(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max())
+    bound = 4 * 2.0 ** -11 * float(mx.abs(V16.astype(mx.float32)).max())
+    _record("attend-fp16-vs-sdpa", err <= bound, f"{case} max_abs_err={err:.2e} bound={bound:.2e}")
+    assert err <= bound and not kernel.disabled()
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_random_model_matches_decode_then_sdpa():
+    """48 greedy tokens of a random-weight llama (GQA 4, head dim 128, fp16) on the GPU: codes == SDPA."""
+    from mlx_lm.models import llama
+
+    from rvqstore import make_prompt_cache
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=512, num_hidden_layers=4, intermediate_size=1024,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-5,
+                           vocab_size=512, tie_word_embeddings=True)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.set_dtype(mx.float16)
+    prompt = mx.array(np.random.default_rng(0).integers(0, 512, (1, 200)))
+
+    def run():
+        cache = make_prompt_cache(model, (4, 2))
+        logits = model(prompt, cache=cache)[:, -1]
+        out = []
+        for _ in range(48):
+            y = mx.argmax(logits, axis=-1)
+            out.append(int(y.item()))
+            logits = model(y[None], cache=cache)[:, -1]
+        return out
+
+    codes = run()
+    with hook.bypass():
+        ref = run()
+    first = next((i for i, (a, b) in enumerate(zip(codes, ref)) if a != b), None)
+    _record("greedy-random-llama-48", codes == ref, f"first difference at {first}")
+    assert codes == ref
