@@ -87,7 +87,8 @@ def describe(f) -> dict[str, Any]:
         secs = [by_name[n] for n in L.sections.values()]
         stored = sum(s.length for s in secs)
         resident = sum(s.raw_length for s in secs)
-        coords = 2 * L.batch * L.n_kv_heads * L.n_tokens * L.head_dim  # keys + values
+        coords = sum(c.batch * c.n_kv_heads * c.n_tokens * (c.head_dim + c.value_head_dim)  # keys + values
+                     for c in (L.children or (L,)) if c.is_attention)  # state arrays have no coordinates
         fp16 = 2 * coords
         row = {
             "index": L.index, "kind": L.kind, "n_tokens": L.n_tokens, "n_dense_tokens": L.n_dense_tokens,
@@ -163,8 +164,8 @@ def _print_inspect(d: dict[str, Any], out) -> None:
     for r in d["layers"]:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
         bpc = f"{r['bits_per_coordinate']:.3f}" if r["bits_per_coordinate"] else "-"
-        w(f"{r['index']:>5} {r['kind']:<5} {r['n_tokens']:>8,} {r['n_dense_tokens']:>6,} {r['batch']:>5} "
-          f"{r['n_kv_heads']:>5} {r['head_dim']:>5} {r['stored_bytes']:>14,} {r['fp16_bytes']:>14,} {ratio:>7} {bpc:>10}\n")
+        w(f"{r['index']:>5} {r['kind']:<5} {r['n_tokens']:>8,} {r['n_dense_tokens']:>6,} {r['batch'] or '-':>5} "
+          f"{r['n_kv_heads'] or '-':>5} {r['head_dim'] or '-':>5} {r['stored_bytes']:>14,} {r['fp16_bytes']:>14,} {ratio:>7} {bpc:>10}\n")
     t = d["totals"]
     ratio = f"{t['ratio']:.2f}x" if t["ratio"] else "-"
     bpc = f"{t['bits_per_coordinate']:.3f}" if t["bits_per_coordinate"] else "-"
