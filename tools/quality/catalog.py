@@ -1,0 +1,51 @@
+"""The named groups of methods the evaluation can run (``--methods rvq,rotated,...``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import methods as M
+from .allocate import allocate
+
+RVQ_BITS = ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4))
+# group 128 does not exist at head dim 64 (mx.quantize groups along the head dim, as mlx-lm does)
+ROTATED = ((2, 64), (3, 64), (4, 64), (5, 64), (8, 64), (2, 32), (3, 32), (4, 32), (5, 32))
+AFFINE = ((4, 64), (8, 64))
+SIDES = (((2, 1), (1, 1)), ((2, 2), (1, 1)), ((4, 1), (2, 1)), ((4, 1), (2, 2)), ((4, 2), (2, 2)), ((4, 2), (4, 1)))
+BUDGETS = (3.0, 4.5, 6.0)  # the issue's three goals, bits per coordinate
+
+
+def load_profile(path: str | Path) -> dict[M.Slot, float]:
+    """Slot sensitivities written by ``tools/probe_sensitivity.py``."""
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))["slots"]
+    return {(int(k.split(":")[0]), k.split(":")[1]): float(v) for k, v in raw.items()}
+
+
+def group(name: str, *, dim: int = 64, profile: dict | None = None) -> list[M.Method]:
+    if name == "rvq":
+        return [M.uniform(M.rvq(b, dim), "RVQ") for b in RVQ_BITS]
+    if name == "rotated":
+        return [M.uniform(M.rotated_affine(b, g, dim), f"rotated affine g{g}") for b, g in ROTATED]
+    if name == "affine":
+        return [M.uniform(M.affine(b, g, dim), "affine (mlx-lm)") for b, g in AFFINE]
+    if name == "fp16":
+        return [M.uniform(M.float16(), "float16")]
+    r = lambda b: M.rvq(b, dim)  # noqa: E731
+    if name == "variants":  # cheap wins on the 2+2 point: sink token exact, key centering, both
+        base = M.uniform(r((2, 2)), "RVQ")
+        return [M.variant(base, sink=1), M.variant(base, center_keys=True),
+                M.variant(base, sink=1, center_keys=True)]
+    if name == "sides":  # keys are the sensitive side: more bits there, fewer on values
+        return [M.per_side(r(k), r(v), "RVQ per side") for k, v in SIDES]
+    if name == "sides+":
+        return [M.variant(M.per_side(r(k), r(v), "RVQ per side"), sink=1, center_keys=True) for k, v in SIDES]
+    if name == "alloc":
+        if profile is None:
+            raise ValueError("--methods alloc needs --profile (tools/probe_sensitivity.py)")
+        out = []
+        for b in BUDGETS:
+            table = allocate(profile, b)
+            out.append(M.allocated(table, f"RVQ alloc {b:g}", "RVQ allocated", dim=dim))
+        return out
+    raise ValueError(f"unknown method group {name!r}")
