@@ -5,7 +5,9 @@
     python tools/fuzz_format.py --examples 20000
     python tools/fuzz_format.py --atheris [ARGS...]  # coverage-guided, if atheris is installed
 
-Seeds are the valid test vectors in ``format_spec/vectors/valid``.  Two kinds of mutation:
+Seeds are the valid test vectors in ``format_spec/vectors/valid`` and real snapshots written by
+``save_prompt_cache`` (attention layers with dense tails and zstd, a wrapped sliding window, a
+recurrent state).  Two kinds of mutation:
 
 * byte level: bit flips, overwritten ranges, inserted/deleted/truncated/appended bytes;
 * header level: decode the header, replace a value somewhere (by a hostile integer, a wrong type, a
@@ -42,8 +44,41 @@ from rvqstore.format import constants as C  # noqa: E402
 VALID_DIR = ROOT / "format_spec" / "vectors" / "valid"
 
 
-def seeds() -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(VALID_DIR.glob("*.rvq"))}
+def snapshot_seeds() -> dict[str, bytes]:
+    """Real snapshots written by ``save_prompt_cache``: RVQ attention layers with a dense tail and zstd
+    sections, a sliding-window layer that has wrapped, and a recurrent state (format 1.1)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+    import rvqstore
+
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        k = mx.random.normal((1, 2, 12, 32), key=mx.random.key(1)).astype(mx.float16)
+        plain = rvqstore.RVQKVCache(bits=(2, 2), dense_window=3)
+        plain.update_and_fetch(k, k * 0.5)
+        p = os.path.join(d, "a.rvq")
+        rvqstore.save_prompt_cache(p, [plain], tokens=list(range(12)), compress="auto")
+        out["snapshot_rvq_dense_tail.rvq"] = Path(p).read_bytes()
+        ring = RotatingKVCache(max_size=6, keep=1)
+        ring.update_and_fetch(k, k)
+        state = ArraysCache(2)
+        state[0] = mx.ones((1, 3), dtype=mx.bfloat16)
+        state[1] = mx.arange(8, dtype=mx.float32).reshape(1, 2, 4)
+        attn = rvqstore.RVQKVCache(bits=(4, 2))
+        attn.update_and_fetch(k, k)
+        p = os.path.join(d, "b.rvq")
+        rvqstore.save_prompt_cache(p, [attn, ring, state], tokens=list(range(12)), bits=(2, 1))
+        out["snapshot_kinds.rvq"] = Path(p).read_bytes()
+    return out
+
+
+def seeds(*, snapshots: bool = True) -> dict[str, bytes]:
+    """The valid test vectors, and (by default) real snapshots of the library's own saves."""
+    out = {p.name: p.read_bytes() for p in sorted(VALID_DIR.glob("*.rvq"))}
+    if snapshots:
+        out.update(snapshot_seeds())
+    return out
 
 
 def load_everything(path: str | os.PathLike, *, decode: bool = True) -> str:
