@@ -8,6 +8,7 @@ Main entry points::
     load_prompt_cache(path, model=...)          # bit-exact reload, refuses another model's file
     resume(path, prompt_tokens, model)          # reuse the longest cached prefix
     open(path)                                  # lazy reader of a .rvq file (header only until asked)
+    PrefixStore(url, model=...)                 # shared prefix store: put(tokens, cache), longest_prefix(tokens)
 """
 
 from .cache import RVQKVCache
@@ -27,6 +28,7 @@ from .prompt_cache import (
     resume,
     save_prompt_cache,
 )
+from .store import PrefixStore  # a shared store of cached prefixes (local directory or S3)
 
 __version__ = "0.1.0"
 
@@ -35,5 +37,5 @@ __all__ = [
     "RVQKVCache", "make_prompt_cache", "convert_prompt_cache",
     "save_prompt_cache", "load_prompt_cache", "resume", "ResumeResult", "open",
     "RVQError", "CodecConfigError", "InputShapeError", "NonFiniteInputError", "FormatError",
-    "ModelMismatchError", "NoTokensError", "UnsupportedCacheError",
+    "ModelMismatchError", "NoTokensError", "UnsupportedCacheError", "PrefixStore",
 ]
