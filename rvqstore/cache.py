@@ -129,17 +129,23 @@ class RVQKVCache:
             ``dense_window`` and ``dense_window + flush_block - 1`` tokens once full.
         flush_block: block size for moving tokens from the window into codes.
         use_kernels: use the fused GPU kernels where available.
+        value_bits: bits of the values when they differ from the keys' (``bits``); keys are the
+            more sensitive side (docs/quality.md), so presets give them more.
     """
 
     def __init__(self, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0, residual: str = "conditional", *,
-                 mode: str = "packed", dense_window: int = 0, flush_block: int = 64, use_kernels: bool = True):
+                 mode: str = "packed", dense_window: int = 0, flush_block: int = 64, use_kernels: bool = True,
+                 value_bits: tuple[int, int] | int | None = None):
         if mode not in MODES:
             raise CodecConfigError(f"mode must be one of {MODES}, got {mode!r}")
         for name, v, lo in (("dense_window", dense_window, 0), ("flush_block", flush_block, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise CodecConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
         RVQCodec(64, bits, seed, residual)  # validate the codec settings now, not at first use
+        if value_bits is not None:
+            RVQCodec(64, value_bits, seed, residual)
         self.codec_bits = _parse_bits(bits)
+        self.value_bits = self.codec_bits if value_bits is None else _parse_bits(value_bits)
         self.seed = seed
         self.residual = residual
         self.mode = mode
@@ -166,8 +172,8 @@ class RVQKVCache:
     def n_dense(self) -> int:
         return self.offset - self.n_coded
 
-    def _codec(self, dim: int) -> RVQCodec:
-        return RVQCodec(dim, self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels)
+    def _codec(self, dim: int, bits: tuple[int, int] | None = None) -> RVQCodec:
+        return RVQCodec(dim, bits or self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels)
 
     def _init_geometry(self, keys: mx.array, values: mx.array) -> None:
         """Check ``keys``/``values`` completely, then (first call only) fix geometry and dtype. Every
@@ -175,7 +181,7 @@ class RVQKVCache:
         geo = check_update(keys, values, self.geometry)
         if self.geometry is not None:
             return
-        key_codec, value_codec = self._codec(geo[2]), self._codec(geo[3])  # raises on an unsupported head dim
+        key_codec, value_codec = self._codec(geo[2]), self._codec(geo[3], self.value_bits)  # raises on a bad head dim
         self.geometry = geo
         self.dtype = keys.dtype
         self._keys, self._values = _Stream(key_codec, geo[:2]), _Stream(value_codec, geo[:2])
@@ -209,8 +215,8 @@ class RVQKVCache:
         return self._fetch()
 
     def _joint(self) -> bool:
-        """Keys and values share a head dim: encode/decode them in one codec call (half the dispatches)."""
-        return self.geometry[2] == self.geometry[3]
+        """Keys and values share a head dim and bits: encode/decode them in one codec call (half the dispatches)."""
+        return self.geometry[2] == self.geometry[3] and self.value_bits == self.codec_bits
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         if not self._joint():
@@ -379,7 +385,8 @@ class RVQKVCache:
         c.geometry = (b, h, head_dims[0], head_dims[1])
         c.dtype = dtype
         c._keys = _Stream(key_codec or c._codec(head_dims[0]), (b, h))
-        c._values = _Stream(value_codec or c._codec(head_dims[1]), (b, h))
+        c._values = _Stream(value_codec or c._codec(head_dims[1], c.value_bits), (b, h))
+        c.codec_bits, c.value_bits = c._keys.codec.bits, c._values.codec.bits
         for stream, packed in ((c._keys, keys), (c._values, values)):  # scales from outside: NaN or in range
             stream.codec.check_scales(packed[0], dtype)
         c._keys.set_packed(*keys)

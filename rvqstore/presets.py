@@ -1,0 +1,62 @@
+"""Cache settings named by what they promise, chosen from docs/quality.md.
+
+Keys are the sensitive side of the cache: quantizing every key with RVQ 2+1 costs SmolLM2-135M
+about seven times the next-token KL that the same code on every value does (tools/probe_sensitivity.py).
+Each preset therefore gives keys more bits than values, under the average budget its name promises.
+Figures are measured on the bundled model (mean token KL against the float32 cache, pooled over
+three texts of different kinds, and on a fourth kept aside): see docs/quality.md.
+
+    caches = rvqstore.presets.make_cache(model, "balanced")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .cache import RVQKVCache
+from .codec import RVQCodec
+from .errors import CodecConfigError
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    key_bits: tuple[int, int]
+    value_bits: tuple[int, int]
+    promise: str
+
+    def bits_per_coordinate(self, head_dim: int = 64) -> float:
+        """Stored bits per coordinate (codes, per-vector norms, packing), keys and values averaged."""
+        return (RVQCodec(head_dim, self.key_bits).bits_per_coordinate
+                + RVQCodec(head_dim, self.value_bits).bits_per_coordinate) / 2
+
+    def make_cache(self, model: Any, **kwargs: Any) -> list:
+        """One cache per layer of ``model`` (:func:`rvqstore.make_prompt_cache` with these bits).
+
+        Plain attention layers get per-side bits; other RVQ cache kinds (sliding windows) take the
+        key bits on both sides, which costs more bits there and never less quality."""
+        from .prompt_cache import make_prompt_cache
+
+        caches = make_prompt_cache(model, self.key_bits, **kwargs)
+        return [RVQKVCache(self.key_bits, value_bits=self.value_bits, **kwargs) if type(c) is RVQKVCache else c
+                for c in caches]
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("near-lossless", (4, 2), (4, 1), "<= 6 bits/coord: token KL a few thousandths"),
+    Preset("balanced", (4, 1), (2, 1), "<= 4.5 bits/coord: ahead of rotated 4-bit affine"),
+    Preset("small", (2, 1), (1, 1), "<= 3 bits/coord: the smallest usable cache"),
+)}
+
+
+def get(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except (KeyError, TypeError):
+        raise CodecConfigError(f"unknown preset {name!r}; the presets are {', '.join(PRESETS)}") from None
+
+
+def make_cache(model: Any, preset: str = "balanced", **kwargs: Any) -> list:
+    """Caches for ``model`` with the settings of the named preset (see :data:`PRESETS`)."""
+    return get(preset).make_cache(model, **kwargs)
