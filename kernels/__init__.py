@@ -11,7 +11,8 @@ One kernel body serves two dialects: ``mx.fast.metal_kernel`` (Apple GPUs) and
   written out there, not hidden in a header macro.
 * ``rvq_encode.inc`` / ``rvq_decode.inc``: the kernel bodies.
 * ``rvq_attend.inc`` (with ``rvq_attend_body_prelude_*.inc``): split-K attention straight on the
-  packed codes (used by :mod:`rvqstore.attention.kernel`).
+  packed codes, and ``rvq_attend_merge.inc``, which merges its splits and un-rotates (both used by
+  :mod:`rvqstore.attention.kernel`).
 
 :func:`load_source` reads one of them from the installed package.
 """
@@ -32,6 +33,7 @@ SOURCES = (
     "rvq_attend_body_prelude_metal.inc",
     "rvq_attend_body_prelude_cuda.inc",
     "rvq_attend.inc",
+    "rvq_attend_merge.inc",
 )
 
 

@@ -44,21 +44,25 @@ _disabled: dict = {}
 _tables: dict = {}
 
 
-def sources(dialect: str) -> tuple[str, str]:
+def sources(dialect: str, name: str = "attend") -> tuple[str, str]:
+    """``(header, body)`` of the split kernel (``"attend"``) or the merge kernel (``"merge"``)."""
     prelude = fused.load_source("rvq_prelude_metal.h" if dialect == "metal" else "rvq_prelude_cuda.cuh")
-    body = fused.load_source(f"rvq_attend_body_prelude_{dialect}.inc") + fused.load_source("rvq_attend.inc")
+    body = fused.load_source(f"rvq_attend_body_prelude_{dialect}.inc") + fused.load_source(
+        "rvq_attend.inc" if name == "attend" else "rvq_attend_merge.inc")
     return prelude, body
 
 
-def _kernel(dialect: str):
-    k = _kernels.get(dialect)
+def _kernel(dialect: str, name: str = "attend"):
+    key = (dialect, name)
+    k = _kernels.get(key)
     if k is None:
-        header, body = sources(dialect)
+        header, body = sources(dialect, name)
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-        k = _kernels[dialect] = make(
-            name=f"rvq_attend_{digest}", input_names=["q", "ks", "k1", "k2", "vs", "v1", "v2", "tab", "params"],
-            output_names=["o", "ml"], source=body, header=header, ensure_row_contiguous=True)
+        io = {"attend": (["q", "qsg", "ks", "k1", "k2", "vs", "v1", "v2", "tab", "params"], ["o", "ml"]),
+              "merge": (["o", "ml", "vsg", "params"], ["out"])}[name]
+        k = _kernels[key] = make(name=f"rvq_attend_{name}_{digest}", input_names=io[0], output_names=io[1],
+                                 source=body, header=header, ensure_row_contiguous=True)
     return k
 
 
@@ -93,9 +97,26 @@ def split_plan(n: int, bh: int) -> tuple[int, int]:
     return chunk, max(1, -(-n // chunk))
 
 
-def launch(view: CodesView, q_rot: mx.array, n_queries: int, causal: bool, dialect: str):
-    """Run the kernel: ``(o (BH, S, R, Dv), ml (BH, S, R, 2))`` for rotated queries ``(B, Hkv, R, Dk)``."""
-    b, hkv, rows, dk = q_rot.shape
+def _pow2(d: int) -> bool:
+    return d & (d - 1) == 0
+
+
+def _folded_signs(codec, factor: float) -> mx.array:
+    key = ("signs", id(codec), float(factor))
+    t = _tables.get(key)
+    if t is None:
+        t = _tables[key] = mx.array((codec.signs.astype(np.float64) * factor).astype(np.float32))
+    return t
+
+
+def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: str, *,
+           scale: float | None = None):
+    """Run the split kernel: ``(o (BH, S, R, Dv), ml (BH, S, R, 2))``.
+
+    ``q`` ``(B, Hkv, R, Dk)``: float32 rotated queries (``scale`` None), or the raw queries in their
+    dtype with ``scale`` given, rotated inside the kernel (Dk a power of two).
+    """
+    b, hkv, rows, dk = q.shape
     kc, vc = view.key_codec, view.value_codec
     ks, k1, k2 = view.key_buffers
     vs, v1, v2 = view.value_buffers
@@ -104,18 +125,33 @@ def launch(view: CodesView, q_rot: mx.array, n_queries: int, causal: bool, diale
     chunk, splits = split_plan(n, bh)
     tab, tabn = decode_table(kc)
     params = mx.array([n, cap, chunk, splits, n_queries, view.n_total, int(causal)], dtype=mx.uint32)
+    rot = scale is not None
+    qsg = _folded_signs(kc, scale / dk) if rot else tab
     two = kc.bits2 > 0
     mode = fused.MODE_SINGLE if not two else (fused.MODE_CONDITIONAL if kc.residual == "conditional"
                                               else fused.MODE_SHARED)
     out = _kernel(dialect)(
-        inputs=[q_rot, ks.view(mx.uint16), k1, k2 if two else k1, vs.view(mx.uint16), v1, v2 if two else v1,
+        inputs=[q, qsg, ks.view(mx.uint16), k1, k2 if two else k1, vs.view(mx.uint16), v1, v2 if two else v1,
                 tab, params],
         template=[("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_MODE", mode), ("T_DK", dk), ("T_DV", vc.dim),
-                  ("T_R", rows), ("T_TG", THREADS), ("T_TABN", tabn)],
+                  ("T_R", rows), ("T_TG", THREADS), ("T_TABN", tabn), ("T_ROT", int(rot)), ("InT", q.dtype)],
         grid=(bh * splits * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(bh, splits, rows, vc.dim), (bh, splits, rows, 2)],
         output_dtypes=[mx.float32, mx.float32])
     return out[0], out[1]
+
+
+def merge(view: CodesView, o: mx.array, ml: mx.array, shape: tuple, dtype, dialect: str) -> mx.array:
+    """The merge kernel: splits -> normalized, un-rotated output ``shape`` = (B, Hq, L, Dv) in ``dtype``."""
+    b, hq, l, dv = shape
+    bh, splits, rows, _ = o.shape
+    vc = view.value_codec
+    params = mx.array([splits, hq // view.n_kv_heads, l], dtype=mx.uint32)
+    return _kernel(dialect, "merge")(
+        inputs=[o, ml, _folded_signs(vc, 1.0 / dv), params],
+        template=[("T_DV", dv), ("T_R", rows), ("OutT", dtype)],
+        grid=(bh * rows * dv, 1, 1), threadgroup=(dv, 1, 1),
+        output_shapes=[shape], output_dtypes=[dtype])[0]
 
 
 def partials_reference(view: CodesView, q_rot: mx.array, n_queries: int, causal: bool):
@@ -187,12 +223,21 @@ def attend(view: CodesView, queries: mx.array, scale: float, mask, sinks) -> mx.
     rows = (hq // view.n_kv_heads) * l
     if supported(view, rows) is not None:
         return None
-    q_rot = ops.rotate_queries(view, queries, scale).reshape(b, view.n_kv_heads, rows, -1)
     causal = masks.is_causal(mask) and l > 1
+    dk, dv = view.key_codec.dim, view.value_codec.dim
+    # fast path, two launches: raw queries rotated in the split kernel, splits merged and un-rotated
+    # by the merge kernel; the window and sinks need the MLX-ops merge
+    fast = _pow2(dk) and _pow2(dv) and dv >= 32 and not view.n_dense and sinks is None
     try:
-        o, ml = launch(view, q_rot, l, causal, dialect)
+        if fast:
+            o, ml = launch(view, queries.reshape(b, view.n_kv_heads, rows, dk), l, causal, dialect, scale=scale)
+            out = merge(view, o, ml, (b, hq, l, dv), queries.dtype, dialect)
+        else:
+            q_rot = ops.rotate_queries(view, queries, scale).reshape(b, view.n_kv_heads, rows, dk)
+            o, ml = launch(view, q_rot, l, causal, dialect)
+            out = None
         if dialect not in _verified:
-            mx.eval(o, ml)  # first use: build and run now, where a failure can still fall back
+            mx.eval(o, ml) if out is None else mx.eval(out)  # first use: failures surface here, can fall back
             with _lock:
                 _verified.add(dialect)
     except Exception as err:  # a kernel that cannot build or run: latch off, say so once
@@ -200,7 +245,7 @@ def attend(view: CodesView, queries: mx.array, scale: float, mask, sinks) -> mx.
             _disabled[dialect] = f"{type(err).__name__}: {err}"
         log.warning("attention kernel (%s) switched off; using the MLX-ops formulation: %s", dialect, err)
         return None
-    return combine(view, queries, scale, o, ml, mask, sinks)
+    return out if out is not None else combine(view, queries, scale, o, ml, mask, sinks)
 
 
 _verified: set = set()

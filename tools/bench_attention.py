@@ -1,0 +1,76 @@
+"""Attention alone: attention on the packed codes vs mx.fast.scaled_dot_product_attention on fp16 K/V.
+
+One layer of a given geometry (default Llama-3-8B: 32 query heads, 8 KV heads, head dim 128), batch 1,
+one query (a decode step), caches filled with random keys/values to each context. Arms, interleaved
+round by round: ``sdpa`` (mlx fast SDPA over fp16 K/V of the context), ``codes-2+2`` / ``codes-4+2``
+(``RVQKVCache.attend_on_codes``: query rotation, the split-K kernel, combine, un-rotation). Each
+sample times ``k`` calls issued back to back (one sync), divided by ``k``; medians over rounds.
+
+    python tools/bench_attention.py [--contexts 1024,8192,32768,131072] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from rvqstore import RVQKVCache  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="1024,8192,32768,131072")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--bits", default="2+2,4+2")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    hq, hkv, d = a.heads, a.kv_heads, a.head_dim
+    out = {"device": str(mx.default_device()), "geometry": [hq, hkv, d], "rows": []}
+    for n in (int(x) for x in a.contexts.split(",")):
+        mx.random.seed(n)
+        k = mx.random.normal((1, hkv, n, d)).astype(mx.float16)
+        v = mx.random.normal((1, hkv, n, d)).astype(mx.float16)
+        qs = [mx.random.normal((1, hq, 1, d)).astype(mx.float16) for _ in range(4)]
+        arms = {"sdpa": lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5)}
+        for bits in a.bits.split(","):
+            b = tuple(int(x) for x in bits.split("+"))
+            c = RVQKVCache(b)
+            for s in range(0, n, 4096):  # fill in blocks (what a chunked prefill does)
+                c.update_and_fetch(k[:, :, s:s + 4096], v[:, :, s:s + 4096])
+            mx.eval(c.state)
+            arms[f"codes-{bits}"] = (lambda c: lambda q: c.attend_on_codes(q, scale=d ** -0.5))(c)
+        times = {name: [] for name in arms}
+        for name, f in arms.items():  # warm up: compile, first-use checks
+            mx.eval(f(qs[0]))
+        for r in range(a.rounds):
+            for name, f in arms.items():
+                mx.synchronize()
+                t0 = time.perf_counter()
+                outs = [f(qs[(r + i) % len(qs)]) for i in range(a.k)]
+                mx.eval(outs)
+                mx.synchronize()
+                times[name].append((time.perf_counter() - t0) / a.k * 1e3)
+        row = {"context": n, "ms": {name: statistics.median(t) for name, t in times.items()}}
+        row["speedup_vs_sdpa"] = {name: row["ms"]["sdpa"] / ms for name, ms in row["ms"].items() if name != "sdpa"}
+        out["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        del k, v, arms
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

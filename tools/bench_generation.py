@@ -1,0 +1,265 @@
+"""Generation with compressed caches: decode step, tokens/s, peak memory and resume, against mlx-lm's caches.
+
+Arms (each a cache per layer): ``kv`` (mlx-lm KVCache, the model's dtype), ``q4`` (mlx-lm
+QuantizedKVCache, 4-bit, group 64; recorded as failing where the backend lacks it), ``packed-2+2``,
+``packed-4+2`` (RVQKVCache packed: attention on the codes), ``resident-2+2``, ``resident-4+2``.
+
+Model: ``--model smollm2`` (the bundled SmolLM2-135M, float32 on CPU) or ``--model random`` (an
+mlx-lm llama of the geometry flags, random weights, ``--dtype``; default Llama-3-8B: 32 layers,
+hidden 4096, 32/8 heads, head dim 128, MLP 14336). A step's time depends on the geometry, not on the
+weights or on what the cache holds, so caches are filled with random keys/values (unit-variance, in
+blocks of 4,096 tokens through ``update_and_fetch``) to each context.
+
+Method: every arm is warmed up (compiles, first-use checks), then rounds interleave the arms; in a
+round an arm runs ``--steps`` single-token steps (each evaluated), then trims back, so the context
+stays put; medians over all steps. Peak memory: the arm's cache bytes (allocated capacity) plus what
+its steps allocate on top (``mx.get_peak_memory()`` during the steps minus the memory active before
+them); the model's weights are left out. Resume (``--resume``): the arm's caches saved to a file (``.rvq`` for RVQ arms,
+mlx-lm's safetensors prompt cache for ``kv``), then load + one token evaluated, median of
+``--resume-rounds``.
+
+    python tools/bench_generation.py --model smollm2 --contexts 1024,4096 --json out.json --md out.md
+    python tools/bench_generation.py --model random --contexts 1024,8192,32768 --resume ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+ARMS = ("kv", "q4", "packed-2+2", "packed-4+2", "resident-2+2", "resident-4+2")
+
+
+def build_model(a):
+    if a.model == "smollm2":
+        from rvqstore.blas import maybe_reexec_with_openblas
+
+        maybe_reexec_with_openblas()
+        from rvqstore.model import load_model
+
+        model, _ = load_model()
+        return model, "SmolLM2-135M-Instruct (bundled, float32)"
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=a.hidden, num_hidden_layers=a.layers,
+                           intermediate_size=a.intermediate, num_attention_heads=a.heads,
+                           num_key_value_heads=a.kv_heads, head_dim=a.head_dim, rms_norm_eps=1e-5,
+                           vocab_size=a.vocab, tie_word_embeddings=False, rope_theta=500000.0)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.set_dtype(getattr(mx, a.dtype))
+    mx.eval(model.parameters())
+    return model, (f"random-weight llama: {a.layers} layers, hidden {a.hidden}, {a.heads}/{a.kv_heads} heads, "
+                   f"head dim {a.head_dim}, MLP {a.intermediate}, vocab {a.vocab}, {a.dtype}")
+
+
+def geometry(model):
+    layer = model.layers[0].self_attn
+    return len(model.layers), layer.n_kv_heads, model.args.head_dim or model.args.hidden_size // model.args.num_attention_heads
+
+
+def make_caches(arm, n_layers):
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from rvqstore import RVQKVCache
+
+    if arm == "kv":
+        return [KVCache() for _ in range(n_layers)]
+    if arm == "q4":
+        return [QuantizedKVCache(group_size=64, bits=4) for _ in range(n_layers)]
+    mode, bits = arm.split("-")
+    b = tuple(int(x) for x in bits.split("+"))
+    return [RVQKVCache(b, mode=mode) for _ in range(n_layers)]
+
+
+def fill(caches, n, kv_heads, head_dim, dtype):
+    for i, c in enumerate(caches):
+        mx.random.seed(1000 + i)
+        for s in range(0, n, 4096):
+            t = min(4096, n - s)
+            k = mx.random.normal((1, kv_heads, t, head_dim)).astype(dtype)
+            v = mx.random.normal((1, kv_heads, t, head_dim)).astype(dtype)
+            c.update_and_fetch(k, v)
+        mx.eval([x for x in c.state if x is not None] if isinstance(c.state, (list, tuple)) else c.state)
+
+
+def step(model, caches, token):
+    logits = model(mx.array([[token]], dtype=mx.int32), cache=caches)[:, -1]
+    y = mx.argmax(logits, axis=-1)
+    mx.eval(y)
+    return int(y.item())
+
+
+def trim(caches, n):
+    for c in caches:
+        c.trim(n)
+
+
+def save(arm, caches, path):
+    if arm == "kv":
+        from mlx_lm.models.cache import save_prompt_cache
+
+        save_prompt_cache(path, caches)
+    else:
+        import rvqstore
+
+        rvqstore.save_prompt_cache(path, caches)
+    return os.path.getsize(path)
+
+
+def load(arm, path):
+    if arm == "kv":
+        from mlx_lm.models.cache import load_prompt_cache
+
+        return load_prompt_cache(path)
+    import rvqstore
+
+    return rvqstore.load_prompt_cache(path)
+
+
+def run_context(a, model, n, arms, dtype):
+    n_layers, kv_heads, head_dim = geometry(model)
+    rows = {}
+    caches = {}
+    for arm in arms:
+        try:
+            cs = make_caches(arm, n_layers)
+            fill(cs, n, kv_heads, head_dim, dtype)
+            step(model, cs, 1)  # warm-up: compiles, kernel first-use checks
+            step(model, cs, 2)
+            trim(cs, 2)
+            caches[arm] = cs
+            rows[arm] = {"step_ms": [], "peak_bytes": 0,
+                         "cache_nbytes": int(sum(getattr(c, "nbytes", 0) for c in cs))}
+        except Exception as e:  # e.g. QuantizedKVCache on CUDA: no quantized_matmul for this shape
+            rows[arm] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            print(f"  {n} {arm}: fails: {rows[arm]['error']}", flush=True)
+        gc.collect()
+    live = [x for x in arms if x in caches]
+    for r in range(a.rounds):
+        for arm in (live if r % 2 == 0 else live[::-1]):
+            cs = caches[arm]
+            mx.synchronize()
+            mx.reset_peak_memory()
+            before = mx.get_active_memory()
+            tok = 3 + r
+            for _ in range(a.steps):
+                mx.synchronize()
+                t0 = time.perf_counter()
+                tok = step(model, cs, tok % 1000)
+                mx.synchronize()
+                rows[arm]["step_ms"].append((time.perf_counter() - t0) * 1e3)
+            # this arm's cache plus what its steps allocate on top of everything already held
+            transient = mx.get_peak_memory() - before
+            rows[arm]["peak_bytes"] = max(rows[arm]["peak_bytes"], rows[arm]["cache_nbytes"] + transient)
+            trim(cs, a.steps)
+    for arm in live:
+        ms = statistics.median(rows[arm]["step_ms"])
+        rows[arm].update(step_median_ms=ms, tokens_per_s=1e3 / ms)
+        del rows[arm]["step_ms"]
+    if a.resume:
+        with tempfile.TemporaryDirectory(dir=a.tmp) as d:
+            for arm in [x for x in live if x == "kv" or x.startswith("packed")]:
+                path = os.path.join(d, f"{arm}.{'safetensors' if arm == 'kv' else 'rvq'}")
+                rows[arm]["file_bytes"] = save(arm, caches[arm], path)
+            gc.collect()
+            times = {arm: [] for arm in live if "file_bytes" in rows[arm]}
+            for r in range(a.resume_rounds):
+                for arm in times:
+                    mx.synchronize()
+                    t0 = time.perf_counter()
+                    cs = load(arm, os.path.join(d, f"{arm}.{'safetensors' if arm == 'kv' else 'rvq'}"))
+                    step(model, cs, 5)
+                    mx.synchronize()
+                    times[arm].append(time.perf_counter() - t0)
+                    del cs
+                    gc.collect()
+            for arm, t in times.items():
+                rows[arm]["resume_s"] = statistics.median(t)
+    for arm in live:
+        rows[arm]["peak_over_kv"] = (rows[arm]["peak_bytes"] / rows["kv"]["peak_bytes"]
+                                     if "kv" in live and rows["kv"]["peak_bytes"] else None)
+        rows[arm]["step_over_kv"] = (rows[arm]["step_median_ms"] / rows["kv"]["step_median_ms"]
+                                     if "kv" in live else None)
+        if "resume_s" in rows[arm] and "kv" in live and "resume_s" in rows["kv"]:
+            rows[arm]["resume_speedup_vs_kv"] = rows["kv"]["resume_s"] / rows[arm]["resume_s"]
+    del caches
+    gc.collect()
+    return rows
+
+
+def markdown(res):
+    lines = [f"# Generation benchmark ({res['device']})", "", f"`{res['command']}` — {res['date']}, "
+             f"{res['wall_s']:.0f} s wall; mlx {res['mlx']}; model: {res['model']}; batch 1. Medians; ratios "
+             "from this one run. Peak = the arm's cache bytes + what its steps allocate on top "
+             "(`mx.get_peak_memory()` during the steps minus active memory before them); weights left out.", "",
+             "| context | arm | step ms | tok/s | step / kv | peak MiB | peak / kv | cache MiB | file MB | resume s | kv resume / resume |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    f = lambda v, p=2: "–" if v is None else f"{v:.{p}f}"  # noqa: E731
+    for n, rows in res["contexts"].items():
+        for arm, r in rows.items():
+            if "error" in r:
+                lines.append(f"| {n} | {arm} | fails: {r['error'][:90]} | | | | | | | | |")
+                continue
+            lines.append(f"| {n} | {arm} | {f(r['step_median_ms'])} | {f(r['tokens_per_s'], 1)} | "
+                         f"{f(r.get('step_over_kv'))} | {r['peak_bytes'] / 2**20:.1f} | {f(r.get('peak_over_kv'))} | "
+                         f"{r['cache_nbytes'] / 2**20:.1f} | "
+                         f"{f(r['file_bytes'] / 1e6, 1) if 'file_bytes' in r else '–'} | {f(r.get('resume_s'), 3)} | "
+                         f"{f(r.get('resume_speedup_vs_kv'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("smollm2", "random"), default="smollm2")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume-rounds", type=int, default=3)
+    ap.add_argument("--tmp", default=None)
+    ap.add_argument("--json")
+    ap.add_argument("--md")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    model, desc = build_model(a)
+    dtype = mx.float32 if a.model == "smollm2" else getattr(mx, a.dtype)
+    res = {"device": str(mx.default_device()), "mlx": mx.__version__, "model": desc,
+           "command": "python tools/bench_generation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "contexts": {}}
+    for n in (int(x) for x in a.contexts.split(",")):
+        rows = run_context(a, model, n, [x for x in a.arms.split(",") if x], dtype)
+        res["contexts"][str(n)] = rows
+        print(json.dumps({n: {k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
+                              for k, v in rows.items()}}), flush=True)
+        res["wall_s"] = time.time() - t0
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        if a.md:
+            Path(a.md).write_text(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
