@@ -46,7 +46,7 @@ def generate_with_store(args: argparse.Namespace) -> int:
         generated.append(int(resp.token))
         print(resp.text, end="", flush=True)
     print()
-    # the cache holds the prompt and every generated token but the last (never fed back)
+    # the cache holds the prompt and the generated tokens it has run (put stores what it holds)
     r = store.put(prompt + generated, cache)
     print(f"[stored {r.new_tokens} new tokens in {r.new_blocks} blocks ({r.new_bytes:,} bytes); "
           f"{r.stored_before} were stored]", file=sys.stderr)
