@@ -36,3 +36,8 @@ class InvalidScaleError(RVQError, ValueError):
 class InvalidArgumentError(RVQError, ValueError, TypeError):
     """A public function got an argument of the wrong type or out of range (token ids, metadata, ...).
     Also a ValueError and a TypeError, the builtins such checks raised before."""
+
+
+class ModelMismatchError(RVQError, ValueError):
+    """A snapshot was made with a different model (architecture, geometry, weights or vocabulary), or
+    nothing in it shows which model it was made with."""

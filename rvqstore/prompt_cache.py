@@ -10,7 +10,6 @@ caches trimmed to it, with the tokens still to compute.
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -23,58 +22,14 @@ from .snapshot.encode import encode_snapshot, is_empty, snapshot_token_count
 from .snapshot.resume_rules import cut_to, longest_valid_prefix
 from .snapshot.structure import structure_mismatch
 from .codec import DEFAULT_BITS
-from .errors import RVQError
+from .errors import InvalidArgumentError, ModelMismatchError, RVQError
 from .format import MalformedHeaderError, Section, open_rvq, write_rvq
-
-_FP_IGNORED = {"source"}  # labels, not identity
-
-
-class ModelMismatchError(RVQError, ValueError):
-    """A snapshot was made with a different model (architecture, geometry, weights or vocabulary)."""
-
+from .model_check import check_fingerprint, check_geometry
+from .model_check import fingerprint as _fingerprint  # memoized; also used by rvqstore.store
+from .save_arguments import parse_metadata, parse_token_ids
 
 class NoTokensError(RVQError, ValueError):
     """A snapshot without token ids cannot be resumed by prefix."""
-
-
-# id(model) -> (weakref to the model, weakrefs to its parameter arrays and to the tokenizer,
-# fingerprint). model_fingerprint hashes every weight (0.3-0.6 s for SmolLM2-135M on a 2-core CPU,
-# more than the whole resume of a 4096-token snapshot), which would otherwise be paid again on every
-# save, load and resume. (Keyed by id: mlx modules are dicts, hence not hashable.)
-_FP_MEMO: dict[int, tuple] = {}
-
-
-def _fingerprint(model: Any, tokenizer: Any) -> dict:
-    """``model_fingerprint(model, tokenizer)``, computed once per model while its parameters stay the same.
-
-    The memo is reused only while ``model`` holds the very same parameter array objects (names and
-    identities) and the same tokenizer object. Replacing weights by any mlx API (``load_weights``,
-    ``update``, ``set_dtype``, quantizing, assigning a new array to an attribute) makes new arrays, so
-    the next call hashes again; only in-place item assignment into a parameter (``w[0] = x``) keeps
-    the object and goes unnoticed.
-    """
-    from mlx.utils import tree_flatten
-
-    from .model import model_fingerprint
-
-    params = tree_flatten(model.parameters())
-    hit = _FP_MEMO.get(id(model))
-    if hit is not None:
-        model_ref, refs, tok_ref, fp = hit
-        if (model_ref() is model and len(refs) == len(params)
-                and (tok_ref() if tok_ref is not None else None) is tokenizer
-                and all(n == rn and r() is a for (n, a), (rn, r) in zip(params, refs))):
-            return dict(fp)
-    fp = model_fingerprint(model, tokenizer, source=getattr(model, "rvqstore_source", None))
-    try:
-        key = id(model)
-        model_ref = weakref.ref(model, lambda _, key=key: _FP_MEMO.pop(key, None))
-        refs = [(n, weakref.ref(a)) for n, a in params]
-        tok_ref = None if tokenizer is None else weakref.ref(tokenizer)
-    except TypeError:  # something not weak-referenceable: no memo
-        return fp
-    _FP_MEMO[key] = (model_ref, refs, tok_ref, dict(fp))
-    return fp
 
 
 def _check_structure(layers: Any, model: Any, where: str) -> None:
@@ -105,25 +60,20 @@ def save_prompt_cache(path: str | os.PathLike, cache: Sequence[Any], *, tokens: 
     refused. The write is atomic: an interrupted save leaves any previous file at ``path`` untouched.
     Returns the file size in bytes.
     """
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise TypeError("metadata must map str to str")
+    metadata = parse_metadata(metadata)  # typed errors before any work or file change
+    if tokens is not None:
+        tokens = parse_token_ids(tokens)
     caches = convert_caches(cache, dict(bits=bits, seed=seed, residual=residual), {})
     if not caches or any(is_empty(c) for c in caches):
         raise RVQError("cannot save an empty cache (run the prompt through the model first)")
-    if tokens is not None:
-        tokens = np.asarray(list(tokens), dtype=np.int64)
-        if tokens.ndim != 1:
-            raise ValueError("tokens must be a flat sequence of ids")
     n_tokens = snapshot_token_count(caches, None if tokens is None else len(tokens))
-    if tokens is not None:
-        if len(tokens) != n_tokens:
-            raise ValueError(f"tokens has {tokens.size} ids but the cache holds {n_tokens} tokens")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**31):
-            raise ValueError("token ids must be in [0, 2^31)")
+    if tokens is not None and len(tokens) != n_tokens:
+        raise InvalidArgumentError(f"tokens has {tokens.size} ids but the cache holds {n_tokens} tokens")
     layers, layer_sections, quantizer_keys = encode_snapshot(caches, n_tokens)
     fingerprint = None
     if model is not None:
         _check_structure([_LayerView(m) for m in layers], model, "the cache")
+        check_geometry(layers, model, path="the cache", has_fingerprint=True)  # heads and head dims too
         fingerprint = _fingerprint(model, tokenizer)
 
     sections = []
@@ -135,7 +85,7 @@ def save_prompt_cache(path: str | os.PathLike, cache: Sequence[Any], *, tokens: 
         "layers": layers,
         **quantizer_keys,
         "model": fingerprint,
-        "metadata": dict(metadata or {}),
+        "metadata": metadata,
         "cache": _cache_settings(caches),
     }
     write_rvq(path, header, sections, compress=compress, progress=progress)
@@ -162,26 +112,16 @@ def _flat(caches: Sequence[Any]) -> list:
 
 
 def check_model(file_fp: dict | None, model: Any, tokenizer: Any = None, *, path: str = "") -> None:
-    """Raise ModelMismatchError if the snapshot's fingerprint differs from ``model``'s (and tokenizer's).
-
-    The message names the model the snapshot was made with (its stored ``source``: name or path) so the
-    caller knows what to load.
-    """
-    if file_fp is None:
-        return
-    mine = _fingerprint(model, tokenizer)  # without a tokenizer: no vocab hash to compare
-    diff = [k for k in file_fp if k not in _FP_IGNORED and k in mine and file_fp[k] != mine[k]]
-    if diff:
-        detail = ", ".join(f"{k}: file {file_fp[k]!r} vs model {mine[k]!r}" for k in diff[:4])
-        made_with = file_fp.get("source")
-        hint = (f"; it was made with {made_with!r}: load that model (CLI: --model {made_with})"
-                if isinstance(made_with, str) and made_with else "")
-        raise ModelMismatchError(f"{path}: snapshot was made with a different model ({detail}){hint}")
+    """Raise ModelMismatchError if the snapshot's fingerprint lacks an identity key or differs from
+    ``model``'s (and tokenizer's); the message names the model the snapshot was made with (its stored
+    ``source``). Geometry is checked from the layer maps by loads (:mod:`rvqstore.model_check`)."""
+    check_fingerprint(file_fp, model, tokenizer, path=path)
 
 
 def _check_file_against_model(f, model: Any, tokenizer: Any) -> None:
-    check_model(f.model, model, tokenizer, path=f.path)
+    check_fingerprint(f.model, model, tokenizer, path=f.path)  # first: its message names the right model
     _check_structure(f.layers, model, f.path)
+    check_geometry(f.layers, model, path=f.path, has_fingerprint=f.model is not None)  # with or without one
 
 
 def _cache_options(f) -> dict:
