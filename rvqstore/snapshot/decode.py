@@ -7,7 +7,8 @@ from typing import Any
 import mlx.core as mx
 
 from ..cache import RVQKVCache
-from ..errors import RVQError
+from ..errors import InvalidScaleError, RVQError
+from ..format import MalformedSectionError
 from ..rotating_cache import RVQRotatingKVCache
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -43,6 +44,11 @@ def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool) -> Any:
         raise RVQError(f"{where}: head dims {(layer.head_dim, layer.value_head_dim)} != quantizer dims "
                        f"{(kc.dim, vc.dim)}")
     sides = _sides(a)
+    for side, codec in (("keys", kc), ("values", vc)):  # scales must decode finite in the dtype a load returns
+        try:
+            codec.check_scales(sides[side][0], _DTYPES[layer.key_dtype])
+        except InvalidScaleError as e:
+            raise MalformedSectionError(f.path, f"{where[len(f.path) + 2:]} {side}: {e}") from None
     common = dict(keys=sides["keys"], values=sides["values"], dtype=_DTYPES[layer.key_dtype],
                   head_dims=(layer.head_dim, layer.value_head_dim), key_codec=kc, value_codec=vc,
                   **_codec_settings(kc, mode, use_kernels))
