@@ -126,6 +126,13 @@ def test_a_corrupted_object_is_never_served(endpoint, model, url):
     assert n == 2 * BLOCK and fresh.stats.corrupt_blocks == 1  # stops before the bad object, removes it
     assert fresh.put(toks, kv_cache(model, toks)).new_blocks == 1
     assert fresh.longest_prefix(toks)[0] == 64 and all_good(fresh)
+    # a block's token ids alone come through ranged reads (preamble, header, token section)
+    from rvqstore.format import open_rvq
+
+    src = fresh.backend.range_source(third.path)
+    with open_rvq(src) as f:
+        assert f.tokens().tolist() == toks[32:48]
+    assert src.bytes_read < src.size / 2
 
 
 def test_eviction_under_a_budget_then_a_restart_finds_what_is_left(endpoint, model, url):

@@ -84,9 +84,6 @@ class Counting:
                 outer.bytes += len(d)
                 return d
 
-            def __fspath__(self):
-                raise TypeError("not a path")
-
         return Src()
 
 

@@ -217,34 +217,9 @@ def decode_block(f, *, key: str, parent: str, tokens: np.ndarray, quantizer: dic
 
 
 def open_block_bytes(data: bytes, name: str):
-    """Open ``.rvq`` bytes held in memory: through a range source where ``open_rvq`` takes one
-    (format 1.1 readers), else through an anonymous temporary file."""
-    try:
-        return open_rvq(_BytesSource(data, name))
-    except TypeError:  # this open_rvq takes paths only
-        pass
-    fd, path = tempfile.mkstemp(prefix=".rvqstore-read-", suffix=".rvq")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        return open_rvq(path)
-    finally:
-        os.unlink(path)  # the open file keeps its bytes; nothing is left behind
-
-
-class _BytesSource:
-    """A range source over bytes already fetched (``size`` and ``read(offset, length)``)."""
-
-    def __init__(self, data: bytes, name: str):
-        self._data = memoryview(data)
-        self.size = len(data)
-        self.name = name
-
-    def read(self, offset: int, length: int) -> bytes:
-        return bytes(self._data[offset: offset + length])
-
-    def __fspath__(self):  # an open_rvq without range sources must not take this for a path
-        raise TypeError("not a path")
+    """Open ``.rvq`` bytes already fetched (``open_rvq`` reads bytes as a range source)."""
+    del name  # the bytes carry no path; errors name the block through the caller
+    return open_rvq(data)
 
 
 def assemble(blocks: Sequence[BlockData], codec_header: dict, *, mode: str, use_kernels: bool = True) -> list[RVQKVCache]:
@@ -267,7 +242,7 @@ def assemble(blocks: Sequence[BlockData], codec_header: dict, *, mode: str, use_
 
 def read_block_tokens(backend, path: str) -> np.ndarray | None:
     """A block's token ids alone, checksum-verified: the preamble, the header and the token section,
-    through ranged reads where the backend and ``open_rvq`` allow it; None if the block is gone."""
+    through ranged reads where the backend has them; None if the block is gone."""
     local = backend.local_path(path)
     if local is not None:
         try:
@@ -281,14 +256,9 @@ def read_block_tokens(backend, path: str) -> np.ndarray | None:
         src = ranged(path)
         if src is None:
             return None
-        try:
-            f = open_rvq(src)
-        except TypeError:  # open_rvq without range sources: fetch the object whole
-            f = None
-        if f is not None:
-            with f:
-                ids = f.tokens()
-            return None if ids is None else np.array(ids, dtype=np.int64)
+        with open_rvq(src) as f:
+            ids = f.tokens()
+        return None if ids is None else np.array(ids, dtype=np.int64)
     data = backend.get(path)
     if data is None:
         return None

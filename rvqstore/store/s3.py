@@ -137,6 +137,3 @@ class _S3Range:
         data = bytes(obstore.get(self._b._store, self.name, options=opts).bytes())
         self.bytes_read += len(data)
         return data
-
-    def __fspath__(self):  # an open_rvq without range sources must not take this for a path
-        raise TypeError("not a path")
