@@ -161,3 +161,27 @@ def test_eviction_under_a_budget_then_a_restart_finds_what_is_left(endpoint, mod
     assert r.returncode == 0, r.stderr
     (ns,) = json.loads(r.stdout)["namespaces"]
     assert ns["blocks"] == 6 and ns["tokens"] == 96 and ns["leaves"] == 2
+
+
+def test_an_oversized_object_under_a_block_name_is_never_downloaded(endpoint, model, url, monkeypatch):
+    import rvqstore.store.prefix_store as ps
+    from rvqstore.store.keys import block_path
+
+    toks = prompt([[60, 16]])
+    st = store(url, endpoint, model)
+    key = chain_keys_of(st, toks)[0]
+    s3 = s3_client(endpoint)
+    s3.put_object(Bucket="rvq-test", Key=f"{url.split('/', 3)[3]}/{block_path(st.ns, st.ns, key, BLOCK)}",
+                  Body=b"\0" * 300_000)
+    monkeypatch.setattr(ps, "MAX_BYTES_PER_TOKEN", 1000)
+    monkeypatch.setattr(ps, "MAX_HEADER_BYTES", 100_000)
+    assert st.longest_prefix(toks) == (0, None)
+    assert st.stats.corrupt_blocks == 1 and st.stats.bytes_read == 0
+    assert not scan(st.backend).blocks  # removed: the next put writes the real block
+    assert st.put(toks, kv_cache(model, toks)).new_blocks == 1
+
+
+def chain_keys_of(st, toks):
+    from rvqstore.store.keys import chain_keys
+
+    return [k for _, _, k in chain_keys(st.ns, toks, 0, BLOCK)]

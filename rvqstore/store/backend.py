@@ -29,8 +29,8 @@ class Backend(Protocol):
     def put(self, path: str, data: bytes) -> None:
         """Write ``data`` at ``path``, replacing what is there (atomically)."""
 
-    def get(self, path: str) -> bytes | None:
-        """The whole object, or None if there is none."""
+    def get(self, path: str, max_bytes: int | None = None) -> bytes | None:
+        """The whole object, or None if there is none; larger than ``max_bytes``: CorruptBlockError."""
 
     def exists(self, path: str) -> bool: ...
 

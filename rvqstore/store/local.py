@@ -77,9 +77,13 @@ class LocalBackend:
         tmp = self._write_temp(full, data)
         os.replace(tmp, full)
 
-    def get(self, path: str) -> bytes | None:
+    def get(self, path: str, max_bytes: int | None = None) -> bytes | None:
         try:
             with open(self._abs(path), "rb") as f:
+                if max_bytes is not None and os.fstat(f.fileno()).st_size > max_bytes:
+                    from .errors import CorruptBlockError
+
+                    raise CorruptBlockError(f"{path}: larger than {max_bytes} bytes")
                 return f.read()
         except FileNotFoundError:
             return None

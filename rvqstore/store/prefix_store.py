@@ -34,6 +34,10 @@ from .keys import (block_key, block_path, chain_keys, children_prefix, namespace
 log = logging.getLogger("rvqstore.store")
 
 DEFAULT_BLOCK_SIZE = 64
+# A block object larger than this is not downloaded (a planted or mangled object must not cost a huge
+# allocation): 1 MiB per token is ~8x a 4+2-bit token of an 80-layer, 8-KV-head, dim-128 model.
+MAX_HEADER_BYTES = 1 << 20
+MAX_BYTES_PER_TOKEN = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -239,7 +243,7 @@ class PrefixStore:
                 raise CorruptBlockError(f"block {ref.key}: {e}") from None
             size = f.file_length
         else:
-            data = self.backend.get(p)
+            data = self.backend.get(p, max_bytes=MAX_HEADER_BYTES + ref.n_block * MAX_BYTES_PER_TOKEN)
             if data is None:
                 raise _Missing(p)
             size = len(data)

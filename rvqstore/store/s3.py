@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from .backend import ObjectInfo
-from .errors import BackendUnavailableError, StoreURLError
+from .errors import BackendUnavailableError, CorruptBlockError, StoreURLError
 
 
 class S3Backend:
@@ -62,12 +62,15 @@ class S3Backend:
 
         obstore.put(self._store, path, data, use_multipart=False)
 
-    def get(self, path: str) -> bytes | None:
+    def get(self, path: str, max_bytes: int | None = None) -> bytes | None:
         import obstore
         from obstore.exceptions import NotFoundError
 
         try:
-            return bytes(obstore.get(self._store, path).bytes())
+            r = obstore.get(self._store, path)
+            if max_bytes is not None and int(r.meta["size"]) > max_bytes:  # checked before the body is read
+                raise ObjectTooLargeError(f"{self.url}/{path}: {r.meta['size']} bytes, more than {max_bytes}")
+            return bytes(r.bytes())
         except (NotFoundError, FileNotFoundError):
             return None
 
@@ -118,6 +121,10 @@ class S3Backend:
 
     def local_path(self, path: str) -> str | None:
         return None
+
+
+class ObjectTooLargeError(CorruptBlockError):
+    """An object is far larger than any block of its name can be (never downloaded)."""
 
 
 class _S3Range:
