@@ -189,6 +189,11 @@ def test_bad_arguments_raise_typed_errors(model, tmp_path):
         s.longest_prefix([[1, 2]])
     with pytest.raises(rvqstore.CodecConfigError):
         PrefixStore(str(tmp_path), model=model, bits=(9, 9))
+    with pytest.raises(StoreConfigError, match="fingerprint"):
+        PrefixStore(str(tmp_path))
+    with pytest.raises(StoreConfigError, match="mode"):
+        s.longest_prefix([1, 2, 3], mode="fast")
+    assert os.listdir(tmp_path) == []  # nothing was written by any of these
 
 
 def test_store_commands(model, prompts, tmp_path, capsys):

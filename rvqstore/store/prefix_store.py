@@ -109,6 +109,8 @@ class PrefixStore:
 
             fingerprint = _fingerprint(model, tokenizer)
             n_layers = len(model.layers)
+        if not isinstance(fingerprint, dict) or not fingerprint:
+            raise StoreConfigError("a PrefixStore needs the model (or its fingerprint): blocks are namespaced by it")
         self.fingerprint = fingerprint
         self.n_layers = n_layers
         self.info = namespace_info(fingerprint, bits=self.bits, seed=seed, residual=self.residual,
@@ -279,6 +281,8 @@ class PrefixStore:
         - 1`` to leave a token for the model to compute); a prefix shorter than ``min_tokens`` (e.g.
         one a caller already holds in memory) is not read: ``(n, None)``.
         """
+        if mode not in ("packed", "resident"):
+            raise StoreConfigError(f"mode must be 'packed' or 'resident', got {mode!r}")
         toks = _as_tokens(tokens)
         if max_tokens is not None:
             toks = toks[:max(0, max_tokens)]
