@@ -21,6 +21,16 @@ from rvqstore.attention import hook, ops
 from rvqstore.errors import InputShapeError
 
 
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """These tests pin the formulation against float32 references: run them on the CPU, where float32
+    matmuls are exact float32 (a GPU backend may use TF32). The GPU kernel has tests/test_attention_gpu.py."""
+    prev = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(prev)
+
+
 def _kv(b, h, t, d, dtype, seed):
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((b, h, t, d)).astype(np.float32)
