@@ -86,17 +86,19 @@ class RVQRotatingKVCache:
             self._keys, self._values = _Stream(kc, geo[:2]), _Stream(vc, geo[:2])
 
     def _limit(self, n: int) -> None:
-        """Cut the held tokens to ``keep`` sinks + the latest ``n - keep`` (no-op when n or fewer are held)."""
+        """Cut the held tokens to ``keep`` sinks + the latest ``n - keep``, into buffers of exactly that size
+        (no-op when n or fewer are held in buffers of at most n: _Stream grows in steps of 256 tokens,
+        more than a small window)."""
         held = self.n_held
-        if held <= n:
+        if held == 0 or (held <= n and self._keys.scales.shape[-1] <= n):
             return
-        tail = n - self.keep
+        keep = min(self.keep, held)
+        tail = min(held, n) - keep
         for s in (self._keys, self._values):
             sc, c1, c2 = s.used()
-            s.set_packed(_cut(sc, self.keep, tail), _cut(c1, self.keep, tail),
-                         None if c2 is None else _cut(c2, self.keep, tail))
+            s.set_packed(_cut(sc, keep, tail), _cut(c1, keep, tail), None if c2 is None else _cut(c2, keep, tail))
         if self._res_k is not None:
-            self._res_k, self._res_v = _cut(self._res_k, self.keep, tail), _cut(self._res_v, self.keep, tail)
+            self._res_k, self._res_v = _cut(self._res_k, keep, tail), _cut(self._res_v, keep, tail)
 
     def _encode(self, keys: mx.array, values: mx.array) -> None:
         if self.geometry[2] == self.geometry[3]:  # one codec call for both sides

@@ -1,8 +1,8 @@
 """Every cache kind on real (tiny, random-weight) mlx-lm models of several architectures.
 
 llama, qwen3 (plain KV), gemma3_text and gpt_oss (sliding window + full layers; gpt_oss with attention
-sinks), qwen3_next (recurrent state + full attention), deepseek_v3 (latent attention: key and value head
-dims differ). Prompts of 8 and 40 tokens sit on both sides of the 16-token window.
+sinks), qwen3_next (recurrent state + full attention), falcon_h1 (a CacheList of recurrent state and
+KV per layer), deepseek_v3 (latent attention: key and value head dims differ). Prompts of 8 and 40 tokens sit on both sides of the 16-token window.
 """
 
 import json
@@ -63,7 +63,7 @@ def test_rvq_4_4_logits_are_close_to_the_unquantized_caches(models, arch):
                 assert c.n_held <= WINDOW and c.offset == n + len(MORE)
     kinds = {type(c).__name__ for c in cache}
     expect = {"gemma3_text": {"RVQRotatingKVCache", "RVQKVCache"}, "gpt_oss": {"RVQRotatingKVCache", "RVQKVCache"},
-              "qwen3_next": {"ArraysCache", "RVQKVCache"}}.get(arch, {"RVQKVCache"})
+              "qwen3_next": {"ArraysCache", "RVQKVCache"}, "falcon_h1": {"CacheList"}}.get(arch, {"RVQKVCache"})
     assert kinds == expect
 
 
@@ -113,7 +113,7 @@ def test_save_load_resume_in_a_fresh_process_is_exact(models, tmp_path):
             # 2) the prompt differs in its last stored token: sliding windows rewind one token, recurrent
             #    state cannot (nothing reused), plain layers any amount
             other = tokens[:-1] + [5, 6]
-            recurrent = any(isinstance(c, ArraysCache) for c in cache)
+            recurrent = any(isinstance(x, ArraysCache) for c in cache for x in getattr(c, "caches", [c]))
             mem_cache = rvqstore.make_prompt_cache(model, bits=(2, 2))
             if recurrent:
                 mem = prefill(model, other, mem_cache)
@@ -138,7 +138,8 @@ def test_save_load_resume_in_a_fresh_process_is_exact(models, tmp_path):
 
 def test_snapshot_layer_kinds_in_the_file(models, tmp_path):
     expect = {"gemma3_text": ["rvq-rotating", "rvq-rotating", "rvq"], "gpt_oss": ["rvq-rotating", "rvq"],
-              "qwen3_next": ["arrays", "rvq", "arrays", "rvq"], "deepseek_v3": ["rvq", "rvq"]}
+              "qwen3_next": ["arrays", "rvq", "arrays", "rvq"], "falcon_h1": ["list", "list"],
+              "deepseek_v3": ["rvq", "rvq"]}
     for arch, kinds in expect.items():
         model = models[arch]
         cache = rvqstore.make_prompt_cache(model, bits=(2, 2))
@@ -177,3 +178,22 @@ def test_cli_cache_prompt_and_generate_with_a_model_folder(tmp_path):
     r = run("generate", "--prompt-cache", str(out), "--max-tokens", "2")
     assert r.returncode != 0
     assert str(folder.resolve()) in r.stderr and "--model" in r.stderr
+
+
+def test_lists_of_mlx_lm_caches_save_and_load(models, tmp_path):
+    """mlx-lm's own RotatingKVCache / ArraysCache / CacheList lists: windows encoded, state kept bit for bit."""
+    for arch in ("gemma3_text", "qwen3_next", "falcon_h1"):
+        model = models[arch]
+        cache = mlx_lm_prompt_cache(model)
+        prefill(model, _prompt(40), cache)
+        path = tmp_path / f"{arch}.rvq"
+        rvqstore.save_prompt_cache(path, cache, tokens=_prompt(40), model=model, bits=(4, 4))
+        loaded = rvqstore.load_prompt_cache(path, model=model)
+        flat = lambda cs: [x for c in cs for x in getattr(c, "caches", [c])]  # noqa: E731
+        for a, b in zip(flat(cache), flat(loaded)):
+            if isinstance(a, ArraysCache):
+                assert all(mx.array_equal(x, y).item() for x, y in zip(a.cache, b.cache))
+            else:
+                assert b.offset == a.offset == 40 and (not isinstance(b, RVQRotatingKVCache) or b.n_held == WINDOW)
+        ref, got = _steps(model, cache, MORE), _steps(model, loaded, MORE)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.07
