@@ -80,6 +80,19 @@ def evaluate(model: Any, tokenizer: Any, texts: Sequence[Text], methods: Sequenc
             "model": model_name, "machine": f"{platform.machine()} {platform.system()}"}
 
 
+def merge(parts: Sequence[dict]) -> dict:
+    """One results dict from several evaluations of the same texts and length (rows appended;
+    protocols in first-seen order)."""
+    res = dict(parts[0])
+    for p in parts[1:]:
+        if (p["texts"], p["n_tokens"], p["model"]) != (res["texts"], res["n_tokens"], res["model"]):
+            raise SystemExit("--from-json files differ in texts, length or model")
+        res["rows"] = res["rows"] + p["rows"]
+        res["protocols"] = list(dict.fromkeys(res["protocols"] + p["protocols"]))
+        res["argv"] = res.get("argv", "") + "\n" + p.get("argv", "")
+    return res
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from rvqstore.blas import maybe_reexec_with_openblas
 
@@ -94,11 +107,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=128, help="chunk of the stream protocol")
     ap.add_argument("--methods", default="rvq,rotated,affine", help="comma-separated groups: "
                     "rvq, rotated, affine, fp16, variants, sides, sides+, alloc")
+    ap.add_argument("--only", default=None, help="comma-separated method names to keep from the groups")
     ap.add_argument("--profile", default=None, help="slot sensitivities for the alloc group")
     ap.add_argument("--runs", default=None, help="folder of per-run results to reuse and extend")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--out", default=None, help="folder for quality.md and quality.png")
-    ap.add_argument("--from-json", default=None, help="re-render --out from an earlier --json")
+    ap.add_argument("--from-json", action="append", default=None,
+                    help="re-render from earlier --json files (repeatable: their rows and protocols are merged)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -106,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
     if args.from_json:
-        res = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        parts = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.from_json]
+        res = merge(parts)
     else:
         from rvqstore.model import load_model
 
@@ -115,6 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile = catalog.load_profile(args.profile) if args.profile else None
         dim = model.layers[0].self_attn.k_proj.weight.shape[0] // model.args.num_key_value_heads
         methods = [m for g in args.methods.split(",") for m in catalog.group(g.strip(), dim=dim, profile=profile)]
+        if args.only:
+            keep = {n.strip() for n in args.only.split(",")}
+            methods = [m for m in methods if m.name in keep]
+            if len(methods) != len(keep):
+                raise SystemExit(f"--only names not in the groups: {sorted(keep - {m.name for m in methods})}")
         res = evaluate(model, tokenizer, texts, methods, n_tokens=args.tokens, protocols=args.protocol or ["half"],
                        chunk=args.chunk, store=RunStore(Path(args.runs) if args.runs else None),
                        model_name=args.model or "bundled SmolLM2-135M-Instruct", log=log)
