@@ -10,14 +10,15 @@ from .errors import RVQError
 
 
 class UnsupportedCacheError(RVQError, TypeError):
-    """A cache kind rvqstore cannot hold (rotating windows, recurrent/SSM state, ...)."""
+    """A cache kind rvqstore cannot hold (ChunkedKVCache, batch caches, ...; see rvqstore.cache_kinds).
+    The message names the kind and the layer."""
 
 
 def dense_keys_values(cache: Any) -> tuple[mx.array, mx.array] | None:
     """Keys and values (B, H, T, D) of the used part of an mlx-lm KVCache / QuantizedKVCache.
 
-    Returns None for an empty cache; raises UnsupportedCacheError for any other cache kind, because a
-    rotating window's order or a recurrent state cannot be replayed as plain per-token keys/values.
+    Returns None for an empty cache; raises UnsupportedCacheError for any other cache kind (rotating
+    windows and recurrent state have rooms of their own: rvqstore.rotating_cache, rvqstore.cache_kinds).
     """
     from mlx_lm.models import cache as lm
 
@@ -37,5 +38,4 @@ def dense_keys_values(cache: Any) -> tuple[mx.array, mx.array] | None:
 
         return deq(cache.keys), deq(cache.values)
     raise UnsupportedCacheError(
-        f"cannot convert a {name}: rvqstore holds plain causal KV caches (mlx-lm KVCache, QuantizedKVCache); "
-        f"rotating-window and recurrent (SSM/Arrays) caches are not supported")
+        f"cannot read a {name} as plain per-token keys/values (only KVCache, QuantizedKVCache)")

@@ -218,16 +218,26 @@ def resume(path: str | os.PathLike, prompt_tokens: Sequence[int], model: Any = N
 
 
 def make_prompt_cache(model: Any, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0, residual: str = "conditional",
-                      **kwargs: Any) -> list:
+                      max_kv_size: int | None = None, **kwargs: Any) -> list:
     """rvqstore caches following the model's own per-layer cache kinds (``model.make_cache()``).
 
     Plain layers get an :class:`RVQKVCache`, sliding-window layers an :class:`RVQRotatingKVCache` (same
     ``max_size``/``keep``), recurrent state (``ArraysCache``) stays as mlx-lm makes it, and a
     ``CacheList`` gets its children converted; any other kind raises :class:`UnsupportedCacheError`
     naming it and the layer (see :mod:`rvqstore.cache_kinds`). ``kwargs`` go to the RVQ caches
-    (``mode``, ``dense_window``, ...; sliding-window layers take no ``dense_window``).
+    (``mode``, ``dense_window``, ...; sliding-window layers take no ``dense_window``). ``max_kv_size``: as
+    in mlx-lm, for models without ``make_cache``: every layer a sliding window of that many tokens
+    (keeping 4 sink tokens).
     """
-    return make_caches(model, dict(bits=bits, seed=seed, residual=residual), kwargs)
+    codec = dict(bits=bits, seed=seed, residual=residual)
+    if max_kv_size is not None and not hasattr(model, "make_cache"):
+        from mlx_lm.models.cache import RotatingKVCache
+
+        from .cache_kinds import fresh_cache
+
+        return [fresh_cache(RotatingKVCache(max_kv_size, keep=4), codec, kwargs, f"layer {i}")
+                for i in range(len(model.layers))]
+    return make_caches(model, codec, kwargs)
 
 
 def convert_prompt_cache(cache: Sequence[Any], bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0,

@@ -82,3 +82,15 @@ def test_bad_settings_and_kinds():
     out = convert_prompt_cache([CacheList(ArraysCache(2), KVCache()), RotatingKVCache(8, 0)])
     assert isinstance(out[0], CacheList) and isinstance(out[0][0], ArraysCache) and isinstance(out[0][1], RVQKVCache)
     assert isinstance(out[1], RVQRotatingKVCache) and out[1].max_size == 8
+
+
+def test_max_kv_size_for_models_without_make_cache():
+    from types import SimpleNamespace
+
+    from rvqstore import make_prompt_cache
+
+    caches = make_prompt_cache(SimpleNamespace(layers=[0, 0, 0]), bits=(2, 2), max_kv_size=32)
+    assert [(type(c).__name__, c.max_size, c.keep) for c in caches] == [("RVQRotatingKVCache", 32, 4)] * 3
+    assert all(type(c) is RVQKVCache for c in make_prompt_cache(SimpleNamespace(layers=[0, 0])))
+    with pytest.raises(CodecConfigError, match="layer 0 is a sliding-window layer"):
+        make_prompt_cache(SimpleNamespace(layers=[0]), max_kv_size=32, dense_window=8)
