@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import attention
+from . import attention, cache_steps
 from .codec import _FLOAT_DTYPES, DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError
 
@@ -161,6 +161,7 @@ class RVQKVCache:
         self._res_v: mx.array | None = None
         self.dtype: mx.Dtype | None = None
         self.geometry: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
+        self._steps_off = False  # set when a compiled step path failed (rvqstore.cache_steps)
         attention.install()  # mlx-lm's attention calls reach attend_on_codes (rvqstore.attention.hook)
 
     # ---- helpers ----------------------------------------------------------------------------------
@@ -223,11 +224,37 @@ class RVQKVCache:
             self._keys.append(keys)
             self._values.append(values)
             return
+        if self._compiled_append(keys, values):
+            return
         b = keys.shape[0]
         enc = self._keys.codec.encode(mx.concatenate([keys, values.astype(keys.dtype)], axis=0), check_finite=False)
         for stream, sl in ((self._keys, slice(0, b)), (self._values, slice(b, 2 * b))):
             stream.append_encoded(EncodedVectors(enc.scales[sl], enc.codes1[sl],
                                                  None if enc.codes2 is None else enc.codes2[sl], enc.dtype))
+
+    def _steps_ok(self) -> bool:
+        """The compiled per-step paths apply (rvqstore.cache_steps): joint, two-stage, not switched off."""
+        return not self._steps_off and self._keys.codec.bits2 > 0 and self._joint()
+
+    def _compiled_append(self, keys: mx.array, values: mx.array) -> bool:
+        """Append through one compiled call; False where the unfused path must run (the first append,
+        which also runs the kernels' first-use checks outside any trace, or a trace that failed)."""
+        k, v = self._keys, self._values
+        if k.n == 0 or k.scales is None or not self._steps_ok():
+            return False
+        t = keys.shape[2]
+        k._grow(k.lead, k.n + t)
+        v._grow(v.lead, v.n + t)
+        try:
+            out = cache_steps.append_fn(k.codec)(keys, values, k.scales, k.codes1, k.codes2, v.scales, v.codes1,
+                                                 v.codes2, mx.array([k.n], dtype=mx.int32))
+        except Exception:  # e.g. a kernel's first-use check inside a retrace: the unfused path from now on
+            self._steps_off = True
+            return False
+        (k.scales, k.codes1, k.codes2, v.scales, v.codes1, v.codes2) = out
+        k.n += t
+        v.n += t
+        return True
 
     def _decode_range(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         if not self._joint():
@@ -261,6 +288,11 @@ class RVQKVCache:
         n = self.n_coded
         if self.mode == "resident" and n:
             k, v = self._res_k[:, :, :n], self._res_v[:, :, :n]
+        elif n and self._steps_ok():  # one compiled call; sliced to the used part
+            ks, vs = self._keys, self._values
+            k, v = cache_steps.decode_fn(ks.codec, self.dtype)(ks.scales, ks.codes1, ks.codes2, vs.scales,
+                                                                vs.codes1, vs.codes2)
+            k, v = k[:, :, :n], v[:, :, :n]
         elif n:
             k, v = self._decode_range(0, n)
         else:

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import math
 import threading
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -41,7 +42,6 @@ TARGET_GROUPS = 528
 _lock = threading.Lock()
 _kernels: dict = {}
 _disabled: dict = {}
-_tables: dict = {}
 
 
 def sources(dialect: str, name: str = "attend") -> tuple[str, str]:
@@ -80,13 +80,15 @@ def supported(view: CodesView, rows: int) -> str | None:
     return None
 
 
+_per_codec: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def decode_table(codec) -> tuple[mx.array, int]:
-    key = (codec.bits1, codec.bits2, codec.residual, codec.centroids1.tobytes(),
-           None if codec.centroids2 is None else codec.centroids2.tobytes())
-    t = _tables.get(key)
+    """The decode kernel's table for ``codec`` (built once per codec)."""
+    t = _per_codec.get(codec)
     if t is None:
         plan = fused.make_plan(codec, fused.DECODE)
-        t = _tables[key] = (plan.tab, plan.tabn)
+        t = _per_codec[codec] = (plan.tab, plan.tabn)
     return t
 
 
@@ -102,11 +104,15 @@ def _pow2(d: int) -> bool:
 
 
 def _folded_signs(codec, factor: float) -> mx.array:
-    key = ("signs", id(codec), float(factor))
-    t = _tables.get(key)
+    """``signs * factor`` as float32 (cached per codec and factor: the softmax scale is fixed per layer)."""
+    per = _signs_cache.setdefault(codec, {})
+    t = per.get(factor)
     if t is None:
-        t = _tables[key] = mx.array((codec.signs.astype(np.float64) * factor).astype(np.float32))
+        t = per[factor] = mx.array((codec.signs.astype(np.float64) * factor).astype(np.float32))
     return t
+
+
+_signs_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: str, *,

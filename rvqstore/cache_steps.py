@@ -1,0 +1,70 @@
+"""Compiled per-step paths of :class:`rvqstore.cache.RVQKVCache`: fewer dispatches per generated token.
+
+A decode step appends one token per layer. Unfused, that is a dozen Python-level MLX calls per layer
+(concatenate, rotate, quantize, split, three slice writes per stream) and, in packed mode, the lazy
+decode of the whole history that ``update_and_fetch`` returns (built even when attention is served
+from the codes and it is never evaluated). Here each is one compiled call, shared by every cache with
+the same codec settings:
+
+- :func:`append_fn`: encode keys and values together and write the codes into the preallocated
+  stream buffers at a position given as an array (``mx.slice_update``: in place once the old
+  buffers are no longer referenced, as mlx-lm's KVCache does), so the graph does not change with
+  the offset and is traced once per buffer capacity and step length;
+- :func:`decode_fn`: the decode of the whole buffers (sliced to the used part by the caller) for
+  ``update_and_fetch``'s return value, with the codec's MLX-ops decode (no kernel first-use check can
+  run inside a trace).
+
+Both take the two-stage, joint case (keys and values with the same head dim and bits), the one a
+model's decode loop uses; anything else, or a trace that fails, takes the cache's unfused path.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .codec import RVQCodec
+
+_fns: dict = {}
+
+
+def _key(codec: RVQCodec, *extra) -> tuple:
+    return (codec.dim, codec.bits, codec.seed, codec.residual, codec.centroids1.tobytes(),
+            codec.centroids2.tobytes(), codec.signs.tobytes()) + extra
+
+
+def append_fn(codec: RVQCodec):
+    """``f(keys, values, ks, k1, k2, vs, v1, v2, start)`` -> the six buffers with the new codes written."""
+    key = _key(codec, "append")
+    fn = _fns.get(key)
+    if fn is None:
+        def append(keys, values, ks, k1, k2, vs, v1, v2, start):
+            b = keys.shape[0]
+            enc = codec.encode(mx.concatenate([keys, values.astype(keys.dtype)], axis=0), check_finite=False)
+            out = []
+            for bufs, sl in (((ks, k1, k2), slice(0, b)), ((vs, v1, v2), slice(b, 2 * b))):
+                for buf, new in zip(bufs, (enc.scales[sl], enc.codes1[sl], enc.codes2[sl])):
+                    out.append(mx.slice_update(buf, new, start, axes=(2,)))
+            return tuple(out)
+
+        fn = _fns[key] = mx.compile(append)
+    return fn
+
+
+def decode_fn(codec: RVQCodec, dtype: mx.Dtype):
+    """``f(ks, k1, k2, vs, v1, v2)`` -> decoded keys and values of the whole buffers, in ``dtype``."""
+    key = _key(codec, "decode", str(dtype))
+    fn = _fns.get(key)
+    if fn is None:
+        def decode(ks, k1, k2, vs, v1, v2):
+            b = ks.shape[0]
+            c1, c2 = mx.concatenate([k1, v1]), mx.concatenate([k2, v2])
+            lut = codec._group_lut(True)
+            if lut is not None:
+                y = codec._lut_fn(c1, c2, lut[0], lut[1], True)
+            else:
+                y = codec._dequantize_fn(c1, c2)
+            x = codec.unrotate(y, mx.concatenate([ks, vs]), dtype)
+            return x[:b], x[b:]
+
+        fn = _fns[key] = mx.compile(decode)
+    return fn
