@@ -582,6 +582,23 @@ def assemble_11(content: dict, secs: list[dict], **kw) -> bytes:
     return assemble(content, secs, minor=1, **kw)
 
 
+def v_settled() -> tuple[dict, list[dict]]:
+    """Rules revision 1.1 settles: a shape with a zero after a 2^40 entry has count 0; two sections of
+    one unknown kind on one layer are fine; the stored signs (not the seed) define the rotation."""
+    content, secs = v_worked_example()
+    q = dict(Q_DIM8_1_1, rotation=dict(Q_DIM8_1_1["rotation"], signs=b"\xa5"))  # seed 7 gives 0x0c
+    content = dict(content, quantizer=q)
+    secs = list(secs) + [sec("future.a", 0, "future.kind", "uint8", [1 << 40, 2, 0], b""),
+                         sec("future.b", 0, "future.kind", "uint8", [3], b"abc")]
+    return content, secs
+
+
+def v_dense_with_quantizer() -> tuple[dict, list[dict]]:
+    """Every layer dense, yet a quantizer map: allowed (validated, used by nothing)."""
+    content, secs = v_dense_minimal()
+    return dict(content, quantizer=Q_DIM12_3_0), secs
+
+
 V11 = {
     "rotating_window.rvq": v_rotating,
     "arrays_state.rvq": v_arrays,
@@ -601,6 +618,8 @@ VALID: dict[str, Callable[[], bytes]] = {
     "newer_minor.rvq": v_newer_minor,
     **{name: (lambda b=b: assemble(*b())) for name, b in DECODE_VECTORS.items()},
     **{name: (lambda b=b: assemble_11(*b())) for name, b in V11.items()},
+    "settled_rules.rvq": lambda: assemble(*v_settled()),
+    "dense_with_quantizer.rvq": lambda: assemble(*v_dense_with_quantizer()),
 }
 
 #: Valid vectors the library writer must reproduce byte for byte (raw codecs only), with its inputs.
@@ -952,6 +971,17 @@ def _invalid() -> list[tuple[str, str, str, str, Callable[[], bytes]]]:
         ("header_padding_nonzero.rvq", "LayoutError", "open",
          "a padding byte just before the header is 0x01 (checked when the file is opened)",
          lambda: (lambda d, h: d[: h - 1] + b"\x01" + d[h:])(W(), struct.unpack("<Q", W()[16:24])[0])),
+        ("section_layer_4096.rvq", "LimitExceededError", "open", "a section's layer is 4096 (limit 4095)",
+         lambda: W(edit_header=_edit_section(3, layer=4096))),
+        ("offset_over_2_63.rvq", "LimitExceededError", "open", "a section offset of 2^63 (limit 2^63-1)",
+         lambda: W(edit_header=_edit_section(0, offset=1 << 63))),
+        ("residual_unknown.rvq", "MalformedHeaderError", "open", "quantizer.residual is 'parallel'",
+         lambda: W(edit_header=lambda h: h["quantizer"].update(residual="parallel"))),
+        ("scale_dtype_unknown.rvq", "MalformedHeaderError", "open", "quantizer.scale_dtype is 'float16'",
+         lambda: W(edit_header=lambda h: h["quantizer"].update(scale_dtype="float16"))),
+        ("table_integer_not_float.rvq", "MalformedHeaderError", "open",
+         "quantizer.boundaries1 is [0] (an integer where a float is required)",
+         lambda: W(edit_header=lambda h: h["quantizer"].update(boundaries1=[0]))),
         # -- revision 1.1
         ("entropy_coded_feature.rvq", "UnknownFeatureError", "open",
          "required_features lists 'entropy-coded' (reserved for the 'rans' section codec, not defined yet)",
