@@ -77,8 +77,23 @@ def convert_cache(c: Any, codec: dict, kwargs: dict, where: str) -> Any:
     raise _refuse(c, where)
 
 
+# Models whose code reads or writes a cache's raw ``keys``/``values`` arrays (not through
+# update_and_fetch): their sparse-attention indexer does, on child 1 of every layer's CacheList.
+_RAW_ARRAY_MODELS = {"deepseek_v32": "layer 0, child 1", "minimax_m3_vl": "layer 0, child 1"}
+
+
+def _model_type(model: Any) -> str | None:
+    args = getattr(model, "args", None)
+    return getattr(args, "model_type", None) or getattr(model, "model_type", None)
+
+
 def make_caches(model: Any, codec: dict, kwargs: dict) -> list:
     """One rvqstore cache per cache the model makes (``model.make_cache()``, else one per layer)."""
+    mt = _model_type(model)
+    if mt in _RAW_ARRAY_MODELS:
+        raise UnsupportedCacheError(
+            f"{_RAW_ARRAY_MODELS[mt]} of a {mt} model is a KVCache whose keys/values arrays the model's indexer "
+            f"reads and writes directly; rvqstore caches hold codes, so this model is not supported")
     if hasattr(model, "make_cache"):
         return [fresh_cache(t, codec, kwargs, f"layer {i}") for i, t in enumerate(model.make_cache())]
     return [RVQKVCache(**codec, **kwargs) for _ in range(len(model.layers))]

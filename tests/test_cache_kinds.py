@@ -94,3 +94,13 @@ def test_max_kv_size_for_models_without_make_cache():
     assert all(type(c) is RVQKVCache for c in make_prompt_cache(SimpleNamespace(layers=[0, 0])))
     with pytest.raises(CodecConfigError, match="layer 0 is a sliding-window layer"):
         make_prompt_cache(SimpleNamespace(layers=[0]), max_kv_size=32, dense_window=8)
+
+
+def test_models_that_touch_raw_cache_arrays_are_refused_by_name():
+    from types import SimpleNamespace
+
+    from rvqstore import make_prompt_cache
+
+    fake = SimpleNamespace(args=SimpleNamespace(model_type="deepseek_v32"), layers=[0], make_cache=lambda: [])
+    with pytest.raises(UnsupportedCacheError, match="layer 0, child 1 of a deepseek_v32 model is a KVCache"):
+        make_prompt_cache(fake)
