@@ -107,7 +107,7 @@ def trim(caches, n):
         c.trim(n)
 
 
-def save(arm, caches, path):
+def save(arm, caches, path, compress="auto"):
     if arm == "kv":
         from mlx_lm.models.cache import save_prompt_cache
 
@@ -115,7 +115,7 @@ def save(arm, caches, path):
     else:
         import rvqstore
 
-        rvqstore.save_prompt_cache(path, caches)
+        rvqstore.save_prompt_cache(path, caches, compress=compress)
     return os.path.getsize(path)
 
 
@@ -170,24 +170,29 @@ def run_context(a, model, n, arms, dtype):
         rows[arm].update(step_median_ms=ms, tokens_per_s=1e3 / ms)
         del rows[arm]["step_ms"]
     if a.resume:
+        # .rvq files with the library default (compress="auto": zstd where it pays) and uncompressed
+        files = {}
         with tempfile.TemporaryDirectory(dir=a.tmp) as d:
             for arm in [x for x in live if x == "kv" or x.startswith("packed")]:
-                path = os.path.join(d, f"{arm}.{'safetensors' if arm == 'kv' else 'rvq'}")
-                rows[arm]["file_bytes"] = save(arm, caches[arm], path)
+                for comp in (("auto",) if arm == "kv" else ("auto", "none")):
+                    path = os.path.join(d, f"{arm}-{comp}.{'safetensors' if arm == 'kv' else 'rvq'}")
+                    size = save(arm, caches[arm], path, comp)
+                    rows[arm]["file_bytes" if comp == "auto" else "file_bytes_raw"] = size
+                    files[(arm, comp)] = path
             gc.collect()
-            times = {arm: [] for arm in live if "file_bytes" in rows[arm]}
+            times = {k: [] for k in files}
             for r in range(a.resume_rounds):
-                for arm in times:
+                for (arm, comp), path in files.items():
                     mx.synchronize()
                     t0 = time.perf_counter()
-                    cs = load(arm, os.path.join(d, f"{arm}.{'safetensors' if arm == 'kv' else 'rvq'}"))
+                    cs = load(arm, path)
                     step(model, cs, 5)
                     mx.synchronize()
-                    times[arm].append(time.perf_counter() - t0)
+                    times[(arm, comp)].append(time.perf_counter() - t0)
                     del cs
                     gc.collect()
-            for arm, t in times.items():
-                rows[arm]["resume_s"] = statistics.median(t)
+            for (arm, comp), t in times.items():
+                rows[arm]["resume_s" if comp == "auto" else "resume_s_raw"] = statistics.median(t)
     for arm in live:
         rows[arm]["peak_over_kv"] = (rows[arm]["peak_bytes"] / rows["kv"]["peak_bytes"]
                                      if "kv" in live and rows["kv"]["peak_bytes"] else None)
@@ -195,6 +200,8 @@ def run_context(a, model, n, arms, dtype):
                                      if "kv" in live else None)
         if "resume_s" in rows[arm] and "kv" in live and "resume_s" in rows["kv"]:
             rows[arm]["resume_speedup_vs_kv"] = rows["kv"]["resume_s"] / rows[arm]["resume_s"]
+            if "resume_s_raw" in rows[arm]:
+                rows[arm]["resume_speedup_vs_kv_raw"] = rows["kv"]["resume_s"] / rows[arm]["resume_s_raw"]
     del caches
     gc.collect()
     return rows
@@ -205,19 +212,21 @@ def markdown(res):
              f"{res['wall_s']:.0f} s wall; mlx {res['mlx']}; model: {res['model']}; batch 1. Medians; ratios "
              "from this one run. Peak = the arm's cache bytes + what its steps allocate on top "
              "(`mx.get_peak_memory()` during the steps minus active memory before them); weights left out.", "",
-             "| context | arm | step ms | tok/s | step / kv | peak MiB | peak / kv | cache MiB | file MB | resume s | kv resume / resume |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "Resume = load the file + one token; `raw` = the .rvq saved with `compress=\"none\"`.", "",
+             "| context | arm | step ms | tok/s | step / kv | peak MiB | peak / kv | cache MiB | file MB | resume s | kv resume / resume | raw: resume s | kv / raw |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda v, p=2: "–" if v is None else f"{v:.{p}f}"  # noqa: E731
     for n, rows in res["contexts"].items():
         for arm, r in rows.items():
             if "error" in r:
-                lines.append(f"| {n} | {arm} | fails: {r['error'][:90]} | | | | | | | | |")
+                lines.append(f"| {n} | {arm} | fails: {r['error'][:90]} | | | | | | | | | | |")
                 continue
             lines.append(f"| {n} | {arm} | {f(r['step_median_ms'])} | {f(r['tokens_per_s'], 1)} | "
                          f"{f(r.get('step_over_kv'))} | {r['peak_bytes'] / 2**20:.1f} | {f(r.get('peak_over_kv'))} | "
                          f"{r['cache_nbytes'] / 2**20:.1f} | "
                          f"{f(r['file_bytes'] / 1e6, 1) if 'file_bytes' in r else '–'} | {f(r.get('resume_s'), 3)} | "
-                         f"{f(r.get('resume_speedup_vs_kv'))} |")
+                         f"{f(r.get('resume_speedup_vs_kv'))} | {f(r.get('resume_s_raw'), 3)} | "
+                         f"{f(r.get('resume_speedup_vs_kv_raw'))} |")
     return "\n".join(lines) + "\n"
 
 
