@@ -87,8 +87,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("--max-tokens must be >= 0", 2)
     with open_rvq(args.prompt_cache) as f:  # fail fast on a bad file, before loading the model
         stored = f.tokens()
+        made_with = (f.model or {}).get("source")
     if stored is None:
         raise CLIError(f"{args.prompt_cache} stores no token ids; it cannot be resumed")
+    if args.model is None and isinstance(made_with, str) and not made_with.startswith("bundled "):
+        # made with another model than the default one: say which, before loading the wrong one
+        raise CLIError(f"{args.prompt_cache} was made with the model {made_with!r}; pass --model {made_with}")
     model, tokenizer = load_model(args)
     text = "" if (args.prompt is None and args.prompt_file is None) else read_prompt(args)
     if args.full_prompt:
