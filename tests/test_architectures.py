@@ -197,3 +197,20 @@ def test_lists_of_mlx_lm_caches_save_and_load(models, tmp_path):
                 assert b.offset == a.offset == 40 and (not isinstance(b, RVQRotatingKVCache) or b.n_held == WINDOW)
         ref, got = _steps(model, cache, MORE), _steps(model, loaded, MORE)
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.07
+
+
+def test_resume_stops_where_a_moved_window_cannot_rewind(models, tmp_path):
+    model = models["gemma3_text"]
+    tokens = _prompt(40)
+    cache = rvqstore.make_prompt_cache(model, bits=(2, 2))
+    prefill(model, tokens, cache)
+    path = tmp_path / "g.rvq"
+    rvqstore.save_prompt_cache(path, cache, tokens=tokens, model=model)
+    prompt = tokens[:20] + [5, 6]  # shares 20 tokens, but the windows already dropped tokens 0..23
+    r = rvqstore.resume(path, prompt, model)
+    assert r.reused == 0 and r.remaining == prompt and r.stored == 40
+    assert "layer 0 (RVQRotatingKVCache) holds a sliding window of 16 tokens" in r.reason
+    fresh = rvqstore.make_prompt_cache(model, bits=(2, 2))
+    np.testing.assert_array_equal(np.array(prefill(model, prompt, r.cache)), np.array(prefill(model, prompt, fresh)))
+    r = rvqstore.resume(path, tokens + [5], model)
+    assert r.reused == 40 and r.reason == "every stored token is reused"
