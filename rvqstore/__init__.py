@@ -12,6 +12,7 @@ Main entry points::
 """
 
 from .cache import RVQKVCache
+from .rotating_cache import RVQRotatingKVCache
 from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec
 from .compat import UnsupportedCacheError
 from .errors import CodecConfigError, InputShapeError, NonFiniteInputError, RVQError
@@ -34,7 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "RVQCodec", "EncodedVectors", "DEFAULT_BITS", "pack_codes", "unpack_codes",
-    "RVQKVCache", "make_prompt_cache", "convert_prompt_cache",
+    "RVQKVCache", "RVQRotatingKVCache", "make_prompt_cache", "convert_prompt_cache",
     "save_prompt_cache", "load_prompt_cache", "resume", "ResumeResult", "open",
     "RVQError", "CodecConfigError", "InputShapeError", "NonFiniteInputError", "FormatError",
     "ModelMismatchError", "NoTokensError", "UnsupportedCacheError", "PrefixStore",
