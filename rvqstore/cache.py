@@ -162,6 +162,7 @@ class RVQKVCache:
         self.dtype: mx.Dtype | None = None
         self.geometry: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
         self._steps_off = False  # set when a compiled step path failed (rvqstore.cache_steps)
+        self._resident_written = False  # the compiled append extended the resident copy this update
         attention.install()  # mlx-lm's attention calls reach attend_on_codes (rvqstore.attention.hook)
 
     # ---- helpers ----------------------------------------------------------------------------------
@@ -243,15 +244,24 @@ class RVQKVCache:
         if k.n == 0 or k.scales is None or not self._steps_ok():
             return False
         t = keys.shape[2]
+        # resident mode: the same call writes the decoded copy, once that copy holds every coded token
+        resident = self.mode == "resident" and self._res_k is not None and self._res_k.dtype == self.dtype
+        if resident and self._res_k.shape[2] < k.n + t:
+            self._grow_resident(k.n, k.n + t)
         k._grow(k.lead, k.n + t)
         v._grow(v.lead, v.n + t)
+        extra = (self._res_k, self._res_v) if resident else ()
         try:
-            out = cache_steps.append_fn(k.codec)(keys, values, k.scales, k.codes1, k.codes2, v.scales, v.codes1,
-                                                 v.codes2, mx.array([k.n], dtype=mx.int32))
+            out = cache_steps.append_fn(k.codec, resident)(
+                keys, values, k.scales, k.codes1, k.codes2, v.scales, v.codes1, v.codes2,
+                mx.array([k.n], dtype=mx.int32), *extra)
         except Exception:  # e.g. a kernel's first-use check inside a retrace: the unfused path from now on
             self._steps_off = True
             return False
-        (k.scales, k.codes1, k.codes2, v.scales, v.codes1, v.codes2) = out
+        (k.scales, k.codes1, k.codes2, v.scales, v.codes1, v.codes2) = out[:6]
+        if resident:
+            self._res_k, self._res_v = out[6:]
+            self._resident_written = True
         k.n += t
         v.n += t
         return True
@@ -269,20 +279,28 @@ class RVQKVCache:
     def _extend_resident(self, start: int) -> None:
         """Decode tokens [start, n_coded) into the resident buffers (grown in steps, like KVCache)."""
         end = self.n_coded
+        if self._resident_written:  # the compiled append wrote the decoded copy already
+            self._resident_written = False
+            return
         if end <= start:
             return
         nk, nv = self._decode_range(start, end)
-        cap = 0 if self._res_k is None else self._res_k.shape[2]
-        if end > cap:
-            new_cap = -(-end // _Stream.step) * _Stream.step
-            b, h, dk, dv = self.geometry
-            rk, rv = mx.zeros((b, h, new_cap, dk), self.dtype), mx.zeros((b, h, new_cap, dv), self.dtype)
-            if start:
-                rk[:, :, :start] = self._res_k[:, :, :start]
-                rv[:, :, :start] = self._res_v[:, :, :start]
-            self._res_k, self._res_v = rk, rv
+        self._grow_resident(start, end)
         self._res_k[:, :, start:end] = nk
         self._res_v[:, :, start:end] = nv
+
+    def _grow_resident(self, keep: int, need: int) -> None:
+        """Resident buffers with room for ``need`` tokens (grown in steps, like KVCache), first ``keep`` kept."""
+        cap = 0 if self._res_k is None else self._res_k.shape[2]
+        if need <= cap:
+            return
+        new_cap = -(-need // _Stream.step) * _Stream.step
+        b, h, dk, dv = self.geometry
+        rk, rv = mx.zeros((b, h, new_cap, dk), self.dtype), mx.zeros((b, h, new_cap, dv), self.dtype)
+        if keep:
+            rk[:, :, :keep] = self._res_k[:, :, :keep]
+            rv[:, :, :keep] = self._res_v[:, :, :keep]
+        self._res_k, self._res_v = rk, rv
 
     def _fetch(self) -> tuple[mx.array, mx.array]:
         n = self.n_coded

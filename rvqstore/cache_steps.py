@@ -32,22 +32,36 @@ def _key(codec: RVQCodec, *extra) -> tuple:
             codec.centroids2.tobytes(), codec.signs.tobytes()) + extra
 
 
-def append_fn(codec: RVQCodec):
-    """``f(keys, values, ks, k1, k2, vs, v1, v2, start)`` -> the six buffers with the new codes written."""
-    key = _key(codec, "append")
+def append_fn(codec: RVQCodec, resident: bool = False):
+    """``f(keys, values, ks, k1, k2, vs, v1, v2, start[, rk, rv])`` -> the six buffers with the new codes
+    written (and, ``resident``, the two decoded-copy buffers with the new tokens' decode written: the
+    same call, bit-identical to decoding the stored codes)."""
+    key = _key(codec, "append", resident)
     fn = _fns.get(key)
     if fn is None:
-        def append(keys, values, ks, k1, k2, vs, v1, v2, start):
+        def append(keys, values, ks, k1, k2, vs, v1, v2, start, *res):
             b = keys.shape[0]
             enc = codec.encode(mx.concatenate([keys, values.astype(keys.dtype)], axis=0), check_finite=False)
             out = []
             for bufs, sl in (((ks, k1, k2), slice(0, b)), ((vs, v1, v2), slice(b, 2 * b))):
                 for buf, new in zip(bufs, (enc.scales[sl], enc.codes1[sl], enc.codes2[sl])):
                     out.append(mx.slice_update(buf, new, start, axes=(2,)))
+            if res:
+                rk, rv = res
+                x = codec.unrotate(_dequantize(codec, enc.codes1, enc.codes2), enc.scales, rk.dtype)
+                out += [mx.slice_update(rk, x[:b], start, axes=(2,)), mx.slice_update(rv, x[b:], start, axes=(2,))]
             return tuple(out)
 
         fn = _fns[key] = mx.compile(append)
     return fn
+
+
+def _dequantize(codec: RVQCodec, c1: mx.array, c2: mx.array) -> mx.array:
+    """The codec's MLX-ops rotated-domain decode (group tables where the bits allow)."""
+    lut = codec._group_lut(True)
+    if lut is not None:
+        return codec._lut_fn(c1, c2, lut[0], lut[1], True)
+    return codec._dequantize_fn(c1, c2)
 
 
 def decode_fn(codec: RVQCodec, dtype: mx.Dtype):
@@ -57,12 +71,7 @@ def decode_fn(codec: RVQCodec, dtype: mx.Dtype):
     if fn is None:
         def decode(ks, k1, k2, vs, v1, v2):
             b = ks.shape[0]
-            c1, c2 = mx.concatenate([k1, v1]), mx.concatenate([k2, v2])
-            lut = codec._group_lut(True)
-            if lut is not None:
-                y = codec._lut_fn(c1, c2, lut[0], lut[1], True)
-            else:
-                y = codec._dequantize_fn(c1, c2)
+            y = _dequantize(codec, mx.concatenate([k1, v1]), mx.concatenate([k2, v2]))
             x = codec.unrotate(y, mx.concatenate([ks, vs]), dtype)
             return x[:b], x[b:]
 

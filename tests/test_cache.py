@@ -165,3 +165,18 @@ def test_crafted_cache_options_in_a_file_raise_a_format_error(tmp_path, bad):
     write_rvq(bad_path, header, sections)
     with pytest.raises(FormatError, match="header.cache"):
         load_prompt_cache(bad_path)
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+def test_compiled_step_path_matches_unfused_path(mode):
+    # one-token updates take rvqstore.cache_steps (one compiled call each); the result is bit-identical
+    k, v = kv(40, seed=7)
+    fast, slow = RVQKVCache((2, 2), mode=mode), RVQKVCache((2, 2), mode=mode)
+    slow._steps_off = True
+    for c in (fast, slow):
+        feed(c, k, v, [9] + [1] * 31)
+    assert not fast._steps_off
+    for a, b in zip(fast.state, slow.state):
+        assert (a is None and b is None) or mx.array_equal(a, b)
+    for a, b in zip(fast.keys_and_values(), slow.keys_and_values()):
+        assert mx.array_equal(a, b)
