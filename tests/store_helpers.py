@@ -65,8 +65,9 @@ S3_OPTS = dict(access_key_id="test", secret_access_key="test")
 
 
 def _worker(spec: dict) -> None:
-    """A writer process: put each prompt of ``spec["prompts"]`` ([seed, n] lists, or a list of such
-    parts concatenated) into the store; ``delay`` seconds before each block is published."""
+    """A writer process: put each prompt of ``spec["prompts"]`` (lists of [seed, n] parts, concatenated)
+    into the store; ``delay`` seconds before each block is published; ``barrier`` [dir, n]: wait until
+    n writers are ready."""
     import time
 
     from rvqstore.store import PrefixStore
@@ -82,11 +83,18 @@ def _worker(spec: dict) -> None:
             return create(path, data)
 
         store.backend.create = slow_create
-    if spec.get("start_at"):
-        time.sleep(max(0.0, spec["start_at"] - time.time()))
+    work = []
     for prompt in spec["prompts"]:
         toks = [t for seed, n in prompt for t in tokens(seed, n)]
-        r = store.put(toks, kv_cache(model, toks))
+        work.append((toks, kv_cache(model, toks)))
+    if spec.get("barrier"):  # every writer ready before any publishes: a tight race
+        d, n = spec["barrier"]
+        open(os.path.join(d, f"ready-{os.getpid()}"), "w").close()
+        deadline = time.time() + 120
+        while len(os.listdir(d)) < n and time.time() < deadline:
+            time.sleep(0.01)
+    for toks, cache in work:
+        r = store.put(toks, cache)
         print(json.dumps({"new_blocks": r.new_blocks, "stored_before": r.stored_before}), flush=True)
 
 

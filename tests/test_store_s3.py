@@ -65,15 +65,17 @@ def all_good(st):
     return report.checked > 0 and not report.bad and not report.orphans
 
 
-def test_two_writer_processes_race_on_shared_prefixes(endpoint, model, url):
+def test_two_writer_processes_race_on_shared_prefixes(endpoint, model, url, tmp_path):
     shared = [[10, 40]]
     prompts = [shared + [[20 + i, 30]] for i in range(4)] + [shared]
-    start = time.time() + 4.0  # both start publishing at the same moment, in opposite orders
-    procs = [worker({"prompts": prompts, "start_at": start}, endpoint, url),
-             worker({"prompts": prompts[::-1], "start_at": start}, endpoint, url)]
+    barrier = [str(tmp_path), 2]  # both start publishing at the same moment, in opposite orders
+    procs = [worker({"prompts": prompts, "barrier": barrier}, endpoint, url),
+             worker({"prompts": prompts[::-1], "barrier": barrier}, endpoint, url)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    published = sum(json.loads(line)["new_blocks"] for o in outs for line in o[0].splitlines())
+    by_writer = [sum(json.loads(line)["new_blocks"] for line in o[0].splitlines()) for o in outs]
+    assert all(by_writer)  # both writers published blocks: they really shared the work
+    published = sum(by_writer)
     st = store(url, endpoint, model)
     idx = scan(st.backend)
     # every block exactly once, although both writers wrote every prompt
