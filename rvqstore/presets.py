@@ -7,6 +7,11 @@ Figures are measured on the bundled model (mean token KL against the float32 cac
 three texts of different kinds, and on a fourth kept aside): see docs/quality.md.
 
     caches = rvqstore.presets.make_cache(model, "balanced")
+    caches = rvqstore.presets.make_cache(model, "balanced", profile="smollm2.json")  # bits per layer too
+
+With a sensitivity profile of the model (``tools/probe_sensitivity.py``), bits are also allocated
+per layer under the preset's budget (:mod:`rvqstore.bit_allocation`); snapshots carry per-layer,
+per-side settings in their quantizer table.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .bit_allocation import Slot, allocate, load_profile
 from .cache import RVQKVCache
 from .codec import RVQCodec
 from .errors import CodecConfigError
@@ -24,6 +30,7 @@ class Preset:
     name: str
     key_bits: tuple[int, int]
     value_bits: tuple[int, int]
+    budget: float  # bits per coordinate the preset promises not to exceed (head dim 64)
     promise: str
 
     def bits_per_coordinate(self, head_dim: int = 64) -> float:
@@ -31,22 +38,36 @@ class Preset:
         return (RVQCodec(head_dim, self.key_bits).bits_per_coordinate
                 + RVQCodec(head_dim, self.value_bits).bits_per_coordinate) / 2
 
-    def make_cache(self, model: Any, **kwargs: Any) -> list:
+    def layer_bits(self, n_layers: int, profile: Any = None) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """(key bits, value bits) per layer: the preset's pair, or with ``profile`` (a path or a
+        ``{(layer, "k"|"v"): sensitivity}`` map covering every layer) an allocation under its budget."""
+        if profile is None:
+            return [(self.key_bits, self.value_bits)] * n_layers
+        sens: dict[Slot, float] = load_profile(profile) if not isinstance(profile, dict) else dict(profile)
+        want = {(l, s) for l in range(n_layers) for s in ("k", "v")}
+        if set(sens) != want:
+            raise CodecConfigError(f"the profile covers {len(sens)} slots; this model has {n_layers} layers "
+                                   f"({len(want)} slots): a profile of another model?")
+        table = allocate(sens, self.budget)
+        return [(table[(l, "k")], table[(l, "v")]) for l in range(n_layers)]
+
+    def make_cache(self, model: Any, *, profile: Any = None, **kwargs: Any) -> list:
         """One cache per layer of ``model`` (:func:`rvqstore.make_prompt_cache` with these bits).
 
-        Plain attention layers get per-side bits; other RVQ cache kinds (sliding windows) take the
-        key bits on both sides, which costs more bits there and never less quality."""
+        Plain attention layers get per-side (and with ``profile`` per-layer) bits; other RVQ cache
+        kinds (sliding windows) take the key bits on both sides: more bits there, never less quality."""
         from .prompt_cache import make_prompt_cache
 
         caches = make_prompt_cache(model, self.key_bits, **kwargs)
-        return [RVQKVCache(self.key_bits, value_bits=self.value_bits, **kwargs) if type(c) is RVQKVCache else c
-                for c in caches]
+        bits = self.layer_bits(len(caches), profile)
+        return [RVQKVCache(kb, value_bits=vb, **kwargs) if type(c) is RVQKVCache else c
+                for c, (kb, vb) in zip(caches, bits)]
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("near-lossless", (4, 2), (4, 1), "<= 6 bits/coord: token KL a few thousandths"),
-    Preset("balanced", (4, 1), (2, 1), "<= 4.5 bits/coord: ahead of rotated 4-bit affine"),
-    Preset("small", (2, 1), (1, 1), "<= 3 bits/coord: the smallest usable cache"),
+    Preset("near-lossless", (4, 2), (4, 1), 6.0, "<= 6 bits/coord: token KL a few thousandths"),
+    Preset("balanced", (4, 1), (2, 1), 4.5, "<= 4.5 bits/coord: ahead of rotated 4-bit affine"),
+    Preset("small", (2, 1), (1, 1), 3.0, "<= 3 bits/coord: the smallest usable cache"),
 )}
 
 
@@ -57,6 +78,6 @@ def get(name: str) -> Preset:
         raise CodecConfigError(f"unknown preset {name!r}; the presets are {', '.join(PRESETS)}") from None
 
 
-def make_cache(model: Any, preset: str = "balanced", **kwargs: Any) -> list:
+def make_cache(model: Any, preset: str = "balanced", *, profile: Any = None, **kwargs: Any) -> list:
     """Caches for ``model`` with the settings of the named preset (see :data:`PRESETS`)."""
-    return get(preset).make_cache(model, **kwargs)
+    return get(preset).make_cache(model, profile=profile, **kwargs)

@@ -69,3 +69,21 @@ def test_preset_snapshot_roundtrip_and_resume(tiny, tmp_path):
             assert np.array_equal(np.array(x), np.array(y))
     r = rvqstore.resume(path, toks + [5, 6], tiny)
     assert r.reused == 30 and all(c.value_bits == (2, 1) for c in r.cache)
+
+
+def test_profile_allocates_per_layer_within_the_budget(tiny, tmp_path):
+    n = len(tiny.layers)
+    sens = {(l, s): (5.0 if l == 0 else 1.0) * (3.0 if s == "k" else 1.0) for l in range(n) for s in "kv"}
+    p = presets.get("balanced")
+    bits = p.layer_bits(n, sens)
+    avg = sum(RVQCodec(64, kb).bits_per_coordinate + RVQCodec(64, vb).bits_per_coordinate for kb, vb in bits) / (2 * n)
+    assert avg <= 4.5 and bits[0][0] != bits[1][1]
+    caches = presets.make_cache(tiny, "balanced", profile=sens)
+    assert [(c.codec_bits, c.value_bits) for c in caches] == bits
+    f = tmp_path / "prof.json"
+    f.write_text('{"slots": {"0:k": 1.0, "0:v": 0.5}}')
+    with pytest.raises(CodecConfigError, match="another model"):
+        presets.make_cache(tiny, "balanced", profile=f)
+    f.write_text("not json")
+    with pytest.raises(CodecConfigError, match="not a sensitivity profile"):
+        presets.make_cache(tiny, "balanced", profile=f)
