@@ -9,30 +9,35 @@ def test_suite_runs_with_fast_blas_when_the_machine_has_it():
         assert fast_blas_path() is None
 
 
-def _cli_stderr(env_changes):
+
+def test_slow_blas_advice(monkeypatch, tmp_path):
+    import rvqstore.blas as blas
+
+    lib = fast_blas_path()
+    if lib is not None:  # this process runs with it preloaded (conftest): found mapped under its own name too
+        monkeypatch.setenv(blas.BLAS_ENV, lib)
+        assert blas.blas_is_fast() and blas.slow_blas_advice() is None
+    monkeypatch.setattr(blas, "blas_is_fast", lambda: False)
+    monkeypatch.setenv(blas.BLAS_ENV, str(tmp_path / "missing.so"))
+    advice = blas.slow_blas_advice()
+    assert "reference BLAS" in advice and "apt-get install libopenblas0-pthread" in advice
+    monkeypatch.delenv(blas.BLAS_ENV)
+    if lib is not None:  # installed but not loaded: the advice says how to preload it
+        assert f"LD_PRELOAD={lib}" in blas.slow_blas_advice()
+
+
+def test_cli_warns_on_a_machine_without_openblas(tmp_path):
+    """A fresh machine: nothing preloaded, no OpenBLAS found; the CLI says why it will be slow and what to do."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RVQSTORE_BLAS", "RVQSTORE_NO_REEXEC")}
-    env.update(env_changes, PYTHONPATH=str(root))
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RVQSTORE_NO_REEXEC")}
+    env.update(RVQSTORE_BLAS=str(tmp_path / "missing.so"), PYTHONPATH=str(root))
     r = subprocess.run([sys.executable, "-m", "rvqstore", "cache-prompt", "--model", "/nonexistent/model",
-                        "--prompt", "hi", "-o", "/nonexistent/x.rvq"], capture_output=True, text=True, env=env,
+                        "--prompt", "hi", "-o", str(tmp_path / "x.rvq")], capture_output=True, text=True, env=env,
                        cwd=root, timeout=120)
     assert r.returncode != 0 and "does not exist" in r.stderr
-    return r.stderr
-
-
-def test_cli_says_when_mlx_runs_on_the_slow_reference_blas(tmp_path):
-    # no re-exec and nothing preloaded: what a fresh machine without OpenBLAS gets
-    err = _cli_stderr({"RVQSTORE_NO_REEXEC": "1", "RVQSTORE_BLAS": str(tmp_path / "missing.so")})
-    assert "reference BLAS" in err and "apt-get install libopenblas0-pthread" in err
-    lib = fast_blas_path()
-    if lib is not None:  # installed but not loaded: the advice names it
-        err = _cli_stderr({"RVQSTORE_NO_REEXEC": "1"})
-        assert "reference BLAS" in err and lib in err
-        # the CLI's own re-exec picks it up: no warning; so does a library chosen with RVQSTORE_BLAS
-        assert "reference BLAS" not in _cli_stderr({})
-        assert "reference BLAS" not in _cli_stderr({"RVQSTORE_BLAS": lib})
+    assert "warning: MLX is running on the reference BLAS" in r.stderr and "libopenblas0-pthread" in r.stderr
