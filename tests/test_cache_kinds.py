@@ -104,3 +104,23 @@ def test_models_that_touch_raw_cache_arrays_are_refused_by_name():
     fake = SimpleNamespace(args=SimpleNamespace(model_type="deepseek_v32"), layers=[0], make_cache=lambda: [])
     with pytest.raises(UnsupportedCacheError, match="layer 0, child 1 of a deepseek_v32 model is a KVCache"):
         make_prompt_cache(fake)
+
+
+def test_rotating_cache_refuses_bad_input_unchanged():
+    from rvqstore.errors import InputShapeError
+
+    c = RVQRotatingKVCache(8, 1, bits=(2, 2))
+    k = mx.random.normal((1, 2, 5, 64))
+    c.update_and_fetch(k, k)
+    before = [mx.array(a) for a in c.state]
+    for bad in ((k.astype(mx.int32), k), (k, k[..., :5, :32][:, :, :4]), (mx.random.normal((1, 3, 2, 64)),) * 2,
+                (mx.random.normal((1, 2, 2, 24)),) * 2):
+        with pytest.raises(InputShapeError):
+            c.update_and_fetch(*bad)
+    assert c.offset == 5 and all(mx.array_equal(a, b).item() for a, b in zip(before, c.state))
+    empty = mx.zeros((1, 2, 0, 64))
+    assert c.update_and_fetch(empty, empty)[0].shape == (1, 2, 5, 64) and c.offset == 5
+    fresh = RVQRotatingKVCache(8)
+    with pytest.raises(CodecConfigError):  # an unsupported head dim on first use
+        fresh.update_and_fetch(mx.zeros((1, 1, 2, 7)), mx.zeros((1, 1, 2, 7)))
+    assert fresh.empty()
