@@ -481,8 +481,13 @@ def _check_nested(b1: np.ndarray, t2: np.ndarray) -> None:
 
 
 def _table(v: Any, shape: tuple[int, ...]) -> np.ndarray:
-    a = np.asarray(v, dtype=np.float64)
-    if a.shape != shape or not np.all(np.isfinite(a.astype(np.float32))):  # finite as the float32 it is used as
+    try:
+        a = np.asarray(v, dtype=np.float64)
+    except (ValueError, TypeError, OverflowError):  # ragged rows, strings, bytes, huge ints
+        raise CodecConfigError(f"codebook table must be {'x'.join(map(str, shape))} numbers") from None
+    with np.errstate(over="ignore"):
+        finite = np.all(np.isfinite(a.astype(np.float32)))  # finite as the float32 it is used as
+    if a.shape != shape or not finite:
         raise CodecConfigError(f"codebook table of shape {a.shape} (expected {shape}) or non-finite")
     if a.shape[-1] > 1 and not np.all(np.diff(a, axis=-1) > 0):
         raise CodecConfigError("codebook table not strictly increasing")
