@@ -238,6 +238,8 @@ class RVQCodec:
         """Reconstruct the array ``enc`` came from, in its dtype (or ``dtype``)."""
         self._check_encoded(enc)
         out_dtype = dtype or enc.dtype
+        if out_dtype not in _FLOAT_DTYPES:
+            raise InputShapeError(f"decode returns float16, bfloat16 or float32, not {out_dtype}")
         if enc.scales.size == 0:
             return mx.zeros(enc.shape + (self.dim,), out_dtype)
         y_hat = self.dequantize(enc.codes1, None if stage1_only else enc.codes2)
@@ -390,6 +392,10 @@ class RVQCodec:
     def _check_encoded(self, enc: EncodedVectors) -> None:
         if not isinstance(enc, EncodedVectors):
             raise InputShapeError(f"expected EncodedVectors, got {type(enc).__name__}")
+        for name in ("scales", "codes1", "codes2"):
+            a = getattr(enc, name)
+            if not isinstance(a, mx.array) and not (name == "codes2" and a is None):
+                raise InputShapeError(f"EncodedVectors.{name} must be an mx.array, got {type(a).__name__}")
         lead = tuple(enc.scales.shape)
         if enc.codes1.dtype != mx.uint32 or tuple(enc.codes1.shape) != lead + (self.words1,):
             raise InputShapeError(f"codes1 must be uint32 of shape {lead + (self.words1,)}, "

@@ -1,6 +1,6 @@
 """RVQCodec.from_header (public: it rebuilds a codec from a quantizer map) raises CodecConfigError on
 any malformed map, never another exception: ragged or non-numeric tables, strings, bytes, huge or
-non-finite numbers, missing keys."""
+non-finite numbers, missing keys. RVQCodec.decode refuses malformed EncodedVectors the same way."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rvqstore import RVQCodec
-from rvqstore.errors import CodecConfigError
+import mlx.core as mx
+
+from rvqstore import EncodedVectors, RVQCodec
+from rvqstore.errors import CodecConfigError, InputShapeError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import fuzz_format as ff  # noqa: E402
@@ -58,3 +60,16 @@ def test_each_table_fault_is_a_codec_config_error(key, value):
     h[key] = value
     with pytest.raises(CodecConfigError):
         RVQCodec.from_header(h)
+
+
+def test_decode_refuses_malformed_encoded_vectors():
+    codec = RVQCodec(64, (2, 2))
+    e = codec.encode(mx.ones((3, 64)))
+    for bad in (EncodedVectors(None, e.codes1, e.codes2, mx.float32),
+                EncodedVectors(e.scales, np.array(e.codes1), e.codes2, mx.float32),
+                EncodedVectors(e.scales, e.codes1, None, mx.float32),
+                EncodedVectors(e.scales, e.codes1[:, :1], e.codes2, mx.float32),
+                EncodedVectors(e.scales, e.codes1, e.codes2, mx.int32)):
+        with pytest.raises(InputShapeError):
+            codec.decode(bad)
+    assert codec.decode(e).shape == (3, 64)
