@@ -14,13 +14,14 @@ quantized path for any cache that has it.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import mlx.core as mx
 
 from . import attention, cache_steps
 from .codec import _FLOAT_DTYPES, DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
-from .errors import CodecConfigError, InputShapeError
+from .errors import CodecConfigError, InputShapeError, InvalidArgumentError
 
 MODES = ("packed", "resident")
 
@@ -43,6 +44,16 @@ def check_update(keys: Any, values: Any, geometry: tuple[int, int, int, int] | N
     if b < 1 or h < 1:
         raise InputShapeError(f"keys/values need B >= 1 and n_kv_heads >= 1, got {tuple(keys.shape)}")
     return geo
+
+
+def trim_count(n: Any) -> int:
+    """``trim``'s argument as an int: any integer (numpy's too), not a bool, float or string."""
+    if isinstance(n, bool):
+        raise InvalidArgumentError(f"trim takes a token count, got {n!r}")
+    try:
+        return operator.index(n)
+    except TypeError:
+        raise InvalidArgumentError(f"trim takes an integer token count, got {n!r}") from None
 
 
 class _Stream:
@@ -361,7 +372,7 @@ class RVQKVCache:
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens (dense window first, then codes); returns how many were dropped."""
-        n = max(0, min(self.offset, int(n)))
+        n = max(0, min(self.offset, trim_count(n)))
         if n == 0:
             return 0
         keep = self.offset - n

@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cache import MODES, _Stream, check_update
+from .cache import MODES, _Stream, check_update, trim_count
 from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError
 
@@ -166,7 +166,7 @@ class RVQRotatingKVCache:
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens, as far as :meth:`trimmable_to` allows; returns how many were dropped."""
-        n = max(0, min(int(n), self.offset - self.trimmable_to()))
+        n = max(0, min(trim_count(n), self.offset - self.trimmable_to()))
         if n == 0:
             return 0
         held = self.n_held - n

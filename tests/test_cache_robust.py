@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from rvqstore import RVQKVCache
 from rvqstore.rotating_cache import RVQRotatingKVCache
-from rvqstore.errors import CodecConfigError, InputShapeError, RVQError
+from rvqstore.errors import CodecConfigError, InputShapeError, InvalidArgumentError, RVQError
 
 
 def kv(t, b=1, h=2, d=64, seed=0, dtype=mx.float16):
@@ -135,3 +135,16 @@ def test_zero_tokens_on_filled_cache_match_mlx_lm(kind):
     if isinstance(c, RVQKVCache):
         np.testing.assert_array_equal(np.array(k2), np.array(ko))
         np.testing.assert_array_equal(np.array(v2), np.array(vo))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trim_takes_integers_only(kind):
+    c = KINDS[kind][0]()
+    c.update_and_fetch(*kv(5))
+    before = snapshot(c)
+    for bad in (None, "2", 1.5, float("nan"), True, [1]):
+        with pytest.raises(InvalidArgumentError):
+            c.trim(bad)
+        assert snapshot(c) == before
+    assert c.trim(np.int64(2)) == 2  # numpy integers are integers (5 tokens: nothing left a window yet)
+    assert c.offset == 3 and c.trim(-4) == 0 and c.offset == 3
