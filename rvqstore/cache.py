@@ -441,18 +441,31 @@ class RVQKVCache:
                     **kwargs: Any) -> "RVQKVCache":
         """Build a cache from packed arrays (scales, codes1, codes2) of keys and values."""
         c = cls(**kwargs)
-        ks = keys[0]
+        ks = keys[0] if isinstance(keys, (tuple, list)) and keys else None
+        if not isinstance(ks, mx.array) or ks.ndim != 3:
+            raise InputShapeError("keys must be (scales, codes1, codes2) with scales of shape (B, heads, tokens)")
         b, h, n = ks.shape
         c.geometry = (b, h, head_dims[0], head_dims[1])
         c.dtype = dtype
         c._keys = _Stream(key_codec or c._codec(head_dims[0]), (b, h))
         c._values = _Stream(value_codec or c._codec(head_dims[1], c.value_bits), (b, h))
         c.codec_bits, c.value_bits = c._keys.codec.bits, c._values.codec.bits
-        for stream, packed in ((c._keys, keys), (c._values, values)):  # scales from outside: NaN or in range
-            stream.codec.check_scales(packed[0], dtype)
+        for stream, packed, d in ((c._keys, keys, head_dims[0]), (c._values, values, head_dims[1])):
+            if (not isinstance(packed, (tuple, list)) or len(packed) != 3 or not isinstance(packed[0], mx.array)
+                    or packed[0].shape != (b, h, n) or stream.codec.dim != d):  # arrays from outside: check all
+                raise InputShapeError(f"keys and values must be (scales, codes1, codes2) with scales of shape "
+                                      f"{(b, h, n)}, coded with head dims {tuple(head_dims)}")
+            stream.codec.check_encoded(EncodedVectors(*packed, dtype))
+            stream.codec.check_scales(packed[0], dtype)  # NaN or within the dtype's bound
         c._keys.set_packed(*keys)
         c._values.set_packed(*values)
         nd = 0
+        for name, a, d in (("dense_keys", dense_keys, head_dims[0]), ("dense_values", dense_values, head_dims[1])):
+            if a is not None and (not isinstance(a, mx.array) or a.ndim != 4 or a.shape[:2] != (b, h)
+                                  or a.shape[3] != d or dense_keys is None or dense_values is None
+                                  or a.shape[2] != dense_keys.shape[2]):
+                raise InputShapeError(f"{name} must be (B, heads, T, D) = ({b}, {h}, T, {d}) beside the other, "
+                                      f"got {getattr(a, 'shape', type(a).__name__)}")
         if dense_keys is not None and dense_keys.shape[2]:
             c._dense_k, c._dense_v, nd = dense_keys, dense_values, dense_keys.shape[2]
         c.offset = n + nd

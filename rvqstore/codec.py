@@ -236,7 +236,7 @@ class RVQCodec:
 
     def decode(self, enc: EncodedVectors, *, stage1_only: bool = False, dtype: mx.Dtype | None = None) -> mx.array:
         """Reconstruct the array ``enc`` came from, in its dtype (or ``dtype``)."""
-        self._check_encoded(enc)
+        self.check_encoded(enc)
         out_dtype = dtype or enc.dtype
         if out_dtype not in _FLOAT_DTYPES:
             raise InputShapeError(f"decode returns float16, bfloat16 or float32, not {out_dtype}")
@@ -389,7 +389,8 @@ class RVQCodec:
             raise InputShapeError(f"expected shape (..., {self.dim}), got {tuple(x.shape)}")
         return x
 
-    def _check_encoded(self, enc: EncodedVectors) -> None:
+    def check_encoded(self, enc: EncodedVectors) -> None:
+        """Raise InputShapeError unless ``enc`` has this codec's array types, dtypes and word counts."""
         if not isinstance(enc, EncodedVectors):
             raise InputShapeError(f"expected EncodedVectors, got {type(enc).__name__}")
         for name in ("scales", "codes1", "codes2"):

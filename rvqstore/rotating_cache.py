@@ -231,15 +231,23 @@ class RVQRotatingKVCache:
                     value_codec: RVQCodec | None = None, **kwargs: Any) -> "RVQRotatingKVCache":
         """Build from the packed window (temporal order: sinks, then the latest tokens) and the offset."""
         c = cls(**kwargs)
-        b, h, n = keys[0].shape
+        ks = keys[0] if isinstance(keys, (tuple, list)) and keys else None
+        if not isinstance(ks, mx.array) or ks.ndim != 3:
+            raise InputShapeError("keys must be (scales, codes1, codes2) with scales of shape (B, heads, tokens)")
+        b, h, n = ks.shape
         if n > c.max_size or n > offset or (offset > n and n < min(c.keep, offset)):
             raise InputShapeError(f"a window of {n} tokens does not fit max_size {c.max_size}, keep {c.keep}, "
                                   f"offset {offset}")
         c.geometry, c.dtype = (b, h, head_dims[0], head_dims[1]), dtype
         c._keys = _Stream(key_codec or c._codec(head_dims[0]), (b, h))
         c._values = _Stream(value_codec or c._codec(head_dims[1]), (b, h))
-        for stream, packed in ((c._keys, keys), (c._values, values)):  # scales from outside: NaN or in range
-            stream.codec.check_scales(packed[0], dtype)
+        for stream, packed, d in ((c._keys, keys, head_dims[0]), (c._values, values, head_dims[1])):
+            if (not isinstance(packed, (tuple, list)) or len(packed) != 3 or not isinstance(packed[0], mx.array)
+                    or packed[0].shape != (b, h, n) or stream.codec.dim != d):  # arrays from outside: check all
+                raise InputShapeError(f"keys and values must be (scales, codes1, codes2) with scales of shape "
+                                      f"{(b, h, n)}, coded with head dims {tuple(head_dims)}")
+            stream.codec.check_encoded(EncodedVectors(*packed, dtype))
+            stream.codec.check_scales(packed[0], dtype)  # NaN or within the dtype's bound
         c._keys.set_packed(*keys)
         c._values.set_packed(*values)
         c.offset = offset

@@ -148,3 +148,32 @@ def test_trim_takes_integers_only(kind):
         assert snapshot(c) == before
     assert c.trim(np.int64(2)) == 2  # numpy integers are integers (5 tokens: nothing left a window yet)
     assert c.offset == 3 and c.trim(-4) == 0 and c.offset == 3
+
+
+def _packed(c):
+    ks, kc1, kc2, vs, vc1, vc2 = c.state[:6]
+    return (ks, kc1, kc2), (vs, vc1, vc2)
+
+
+@pytest.mark.parametrize("fault", ["no tuple", "2-d scales", "codes words", "codes dtype", "values scales",
+                                   "head dims", "dense shape", "one dense side", "int dtype"])
+def test_from_packed_refuses_inconsistent_arrays(fault):
+    c = RVQKVCache((2, 2), dense_window=4, flush_block=2)
+    c.update_and_fetch(*kv(9))
+    (ks, kc1, kc2), (vs, vc1, vc2) = _packed(c)
+    kw = dict(keys=(ks, kc1, kc2), values=(vs, vc1, vc2), dense_keys=c._dense_k, dense_values=c._dense_v,
+              dtype=c.dtype, head_dims=(64, 64), bits=(2, 2), dense_window=4, flush_block=2)
+    RVQKVCache.from_packed(**kw)  # as given: fine
+    kw.update({
+        "no tuple": dict(values=None),
+        "2-d scales": dict(keys=(ks[0], kc1, kc2)),
+        "codes words": dict(keys=(ks, kc1[..., :1], kc2)),
+        "codes dtype": dict(values=(vs, vc1.astype(mx.int32), vc2)),
+        "values scales": dict(values=(vs[:, :, :1], vc1, vc2)),
+        "head dims": dict(head_dims=(32, 64)),
+        "dense shape": dict(dense_values=c._dense_v[..., :32]),
+        "one dense side": dict(dense_values=None),
+        "int dtype": dict(dtype=mx.int32),
+    }[fault])
+    with pytest.raises(InputShapeError):
+        RVQKVCache.from_packed(**kw)
