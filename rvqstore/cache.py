@@ -261,17 +261,17 @@ class RVQKVCache:
             self._grow_resident(k.n, k.n + t)
         k._grow(k.lead, k.n + t)
         v._grow(v.lead, v.n + t)
-        extra = (self._res_k, self._res_v) if resident else ()
         try:
-            out = cache_steps.append_fn(k.codec, resident)(
-                keys, values, k.scales, k.codes1, k.codes2, v.scales, v.codes1, v.codes2,
-                mx.array([k.n], dtype=mx.int32), *extra)
+            out = cache_steps.append_fn(k.codec, resident)(keys, values.astype(keys.dtype))
         except Exception:  # e.g. a kernel's first-use check inside a retrace: the unfused path from now on
             self._steps_off = True
             return False
-        (k.scales, k.codes1, k.codes2, v.scales, v.codes1, v.codes2) = out[:6]
+        n, end = k.n, k.n + t
+        k.scales[..., n:end], k.codes1[..., n:end, :], k.codes2[..., n:end, :] = out[0], out[1], out[2]
+        v.scales[..., n:end], v.codes1[..., n:end, :], v.codes2[..., n:end, :] = out[3], out[4], out[5]
         if resident:
-            self._res_k, self._res_v = out[6:]
+            self._res_k[:, :, n:end] = out[6].astype(self.dtype)
+            self._res_v[:, :, n:end] = out[7].astype(self.dtype)
             self._resident_written = True
         k.n += t
         v.n += t

@@ -6,10 +6,9 @@ decode of the whole history that ``update_and_fetch`` returns (built even when a
 from the codes and it is never evaluated). Here each is one compiled call, shared by every cache with
 the same codec settings:
 
-- :func:`append_fn`: encode keys and values together and write the codes into the preallocated
-  stream buffers at a position given as an array (``mx.slice_update``: in place once the old
-  buffers are no longer referenced, as mlx-lm's KVCache does), so the graph does not change with
-  the offset and is traced once per buffer capacity and step length;
+- :func:`append_fn`: encode keys and values together (and decode them for the resident copy) in one
+  call, traced once per step length; the caller writes the results into its preallocated buffers
+  with static slices (in place, as mlx-lm's KVCache does);
 - :func:`decode_fn`: the decode of the whole buffers (sliced to the used part by the caller) for
   ``update_and_fetch``'s return value, with the codec's MLX-ops decode (no kernel first-use check can
   run inside a trace).
@@ -33,23 +32,20 @@ def _key(codec: RVQCodec, *extra) -> tuple:
 
 
 def append_fn(codec: RVQCodec, resident: bool = False):
-    """``f(keys, values, ks, k1, k2, vs, v1, v2, start[, rk, rv])`` -> the six buffers with the new codes
-    written (and, ``resident``, the two decoded-copy buffers with the new tokens' decode written: the
-    same call, bit-identical to decoding the stored codes)."""
+    """``f(keys, values)`` -> the new tokens' ``(ks, k1, k2, vs, v1, v2)`` codes (and, ``resident``, their
+    decoded keys and values: the same call, bit-identical to decoding the stored codes). The caller
+    writes them into its buffers with static slices: in place (a dynamic-offset ``slice_update`` copies
+    the whole buffer on MLX's CUDA backend), and the trace does not depend on the offset."""
     key = _key(codec, "append", resident)
     fn = _fns.get(key)
     if fn is None:
-        def append(keys, values, ks, k1, k2, vs, v1, v2, start, *res):
+        def append(keys, values):
             b = keys.shape[0]
             enc = codec.encode(mx.concatenate([keys, values.astype(keys.dtype)], axis=0), check_finite=False)
-            out = []
-            for bufs, sl in (((ks, k1, k2), slice(0, b)), ((vs, v1, v2), slice(b, 2 * b))):
-                for buf, new in zip(bufs, (enc.scales[sl], enc.codes1[sl], enc.codes2[sl])):
-                    out.append(mx.slice_update(buf, new, start, axes=(2,)))
-            if res:
-                rk, rv = res
-                x = codec.unrotate(_dequantize(codec, enc.codes1, enc.codes2), enc.scales, rk.dtype)
-                out += [mx.slice_update(rk, x[:b], start, axes=(2,)), mx.slice_update(rv, x[b:], start, axes=(2,))]
+            out = [enc.scales[:b], enc.codes1[:b], enc.codes2[:b], enc.scales[b:], enc.codes1[b:], enc.codes2[b:]]
+            if resident:
+                x = codec.unrotate(_dequantize(codec, enc.codes1, enc.codes2), enc.scales, keys.dtype)
+                out += [x[:b], x[b:]]
             return tuple(out)
 
         fn = _fns[key] = mx.compile(append)

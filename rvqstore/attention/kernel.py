@@ -59,7 +59,7 @@ def _kernel(dialect: str, name: str = "attend"):
         header, body = sources(dialect, name)
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-        io = {"attend": (["q", "qsg", "ks", "k1", "k2", "vs", "v1", "v2", "tab", "params"], ["o", "ml"]),
+        io = {"attend": (["q", "qsg", "ks", "k1", "k2", "vs", "v1", "v2", "tab", "cnt", "params"], ["o", "ml"]),
               "merge": (["o", "ml", "vsg", "params"], ["out"])}[name]
         k = _kernels[key] = make(name=f"rvq_attend_{name}_{digest}", input_names=io[0], output_names=io[1],
                                  source=body, header=header, ensure_row_contiguous=True)
@@ -92,8 +92,32 @@ def decode_table(codec) -> tuple[mx.array, int]:
     return t
 
 
+_counts: list = []
+
+
+def _count(n: int) -> mx.array:
+    """``[n]`` as a uint32 array: a slice of one arange made once (no new host array per step)."""
+    if not _counts:
+        _counts.append(mx.arange(0, 1 << 21, dtype=mx.uint32))
+    return _counts[0][n:n + 1] if n < (1 << 21) else mx.array([n], dtype=mx.uint32)
+
+
+_params: dict = {}
+
+
+def _static(values: tuple) -> mx.array:
+    """A small uint32 array of values that repeat from step to step (kept, not rebuilt per call)."""
+    p = _params.get(values)
+    if p is None:
+        if len(_params) > 512:
+            _params.clear()
+        p = _params[values] = mx.array(list(values), dtype=mx.uint32)
+    return p
+
+
 def split_plan(n: int, bh: int) -> tuple[int, int]:
-    """``(chunk, splits)``: tokens per threadgroup (a multiple of THREADS) and how many splits."""
+    """``(chunk, splits)`` for ``n`` token slots (the buffers' capacity: the plan, and so the launch,
+    changes only when they grow): tokens per threadgroup (a multiple of THREADS) and how many splits."""
     want = max(1, TARGET_GROUPS // max(1, bh))
     chunk = max(THREADS, -(-(-(-n // want)) // THREADS) * THREADS)
     return chunk, max(1, -(-n // chunk))
@@ -128,9 +152,9 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: 
     vs, v1, v2 = view.value_buffers
     cap, n = int(ks.shape[-1]), view.n_coded
     bh = b * hkv
-    chunk, splits = split_plan(n, bh)
+    chunk, splits = split_plan(cap, bh)
     tab, tabn = decode_table(kc)
-    params = mx.array([n, cap, chunk, splits, n_queries, view.n_total, int(causal)], dtype=mx.uint32)
+    params = _static((cap, chunk, splits, n_queries, view.n_dense, int(causal)))
     rot = scale is not None
     qsg = _folded_signs(kc, scale / dk) if rot else tab
     two = kc.bits2 > 0
@@ -138,7 +162,7 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: 
                                               else fused.MODE_SHARED)
     out = _kernel(dialect)(
         inputs=[q, qsg, ks.view(mx.uint16), k1, k2 if two else k1, vs.view(mx.uint16), v1, v2 if two else v1,
-                tab, params],
+                tab, _count(n), params],
         template=[("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_MODE", mode), ("T_DK", dk), ("T_DV", vc.dim),
                   ("T_R", rows), ("T_TG", THREADS), ("T_TABN", tabn), ("T_ROT", int(rot)), ("InT", q.dtype)],
         grid=(bh * splits * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
@@ -152,7 +176,7 @@ def merge(view: CodesView, o: mx.array, ml: mx.array, shape: tuple, dtype, diale
     b, hq, l, dv = shape
     bh, splits, rows, _ = o.shape
     vc = view.value_codec
-    params = mx.array([splits, hq // view.n_kv_heads, l], dtype=mx.uint32)
+    params = _static((splits, hq // view.n_kv_heads, l))
     return _kernel(dialect, "merge")(
         inputs=[o, ml, _folded_signs(vc, 1.0 / dv), params],
         template=[("T_DV", dv), ("T_R", rows), ("OutT", dtype)],
@@ -164,7 +188,7 @@ def partials_reference(view: CodesView, q_rot: mx.array, n_queries: int, causal:
     """The kernel's outputs computed with MLX ops (same splits, same definitions)."""
     b, hkv, rows, dk = q_rot.shape
     n = view.n_coded
-    chunk, splits = split_plan(n, b * hkv)
+    chunk, splits = split_plan(int(view.key_buffers[0].shape[-1]), b * hkv)
     yk, sk = view.rotated_keys()
     yv, sv = view.rotated_values()
     s = (q_rot @ yk.swapaxes(-1, -2)) * sk[:, :, None, :]  # (B, Hkv, R, n)
