@@ -131,3 +131,31 @@ def test_in_place_weight_edit_is_noticed(llama, snapshot):
 def test_geometry_is_read_from_the_model_itself(arch, want):
     model = build(arch)[0]
     assert model_geometry(model) == want
+
+
+class _Opaque:
+    """A model that cannot take a bare one-token call (and optionally hides its args)."""
+
+    def __init__(self, model, with_args: bool):
+        self.layers = model.layers
+        self._model = model
+        if with_args:
+            self.args = model.args
+
+    def parameters(self):
+        return self._model.parameters()
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("this model needs more than token ids")
+
+
+def test_geometry_falls_back_to_args_then_fails_closed(llama, tmp_path):
+    path = tmp_path / "nofp.rvq"
+    save_prompt_cache(path, _random_caches(2, 3, 16), tokens=TOKENS)  # 3 heads: wrong for llama
+    with pytest.raises(ModelMismatchError, match="n_kv_heads"):
+        load_prompt_cache(path, model=_Opaque(llama, with_args=True))  # read from the args instead
+    assert model_geometry(_Opaque(llama, with_args=True)) == [("kv", 2, 16, 16)] * 2
+    good = tmp_path / "good.rvq"
+    save_prompt_cache(good, _random_caches(2, 2, 16), tokens=TOKENS)
+    with pytest.raises(ModelMismatchError, match="cannot be read"):  # nothing vouches for the file
+        load_prompt_cache(good, model=_Opaque(llama, with_args=False))
