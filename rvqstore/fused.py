@@ -13,7 +13,9 @@ the first time it raises -- or, on its first use, when it disagrees with the ref
 of boundary values -- and that is logged once through the ``rvqstore.kernels`` logger.
 
 The kernel sources live in ``kernels/`` (installed as ``rvqstore.kernels``): one body per kernel,
-shared by both dialects; see ``kernels/rvq_common.h`` for the work split.
+shared by both dialects; see ``kernels/rvq_common.h`` for the work split. Planning (layouts, tables)
+lives in :mod:`rvqstore.kernel_plan`, the first-use checks in :mod:`rvqstore.kernel_checks`; this
+module detects the backend, builds and launches the kernels, latches and dispatches.
 """
 
 from __future__ import annotations
@@ -21,30 +23,26 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import math
 import sys
 import threading
 import weakref
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
-import numpy as np
+
+from . import kernel_checks
+from .kernel_checks import _reference_dequantize, _same, boundary_probe, boundary_values  # noqa: F401 (API)
+from .kernel_plan import (  # noqa: F401 (re-exported: the plan names are part of this module's API)
+    DECODE, DIALECTS, ENCODE, LAYOUT_CHUNK, LAYOUT_LANES, LINEAR_MAX_THRESHOLDS, MODE_CONDITIONAL, MODE_SHARED,
+    MODE_SINGLE, SEARCH_BINARY, SEARCH_LINEAR, Plan, config_key, make_plan,
+)
 
 log = logging.getLogger("rvqstore.kernels")
 
-ENCODE, DECODE = "encode", "decode"
-DIALECTS = ("metal", "cuda")
-MODE_SINGLE, MODE_CONDITIONAL, MODE_SHARED = 0, 1, 2
-SEARCH_BINARY, SEARCH_LINEAR = 0, 1
-LAYOUT_CHUNK, LAYOUT_LANES = 0, 1
-
 #: threads per threadgroup (several vectors per threadgroup: 256 / (dim / chunk))
 THREADS_PER_GROUP = 256
-#: count the thresholds linearly up to this many, binary-search above (see tools/results/kernels-notes.md)
-LINEAR_MAX_THRESHOLDS = 3
 #: compare each configuration's kernel with the reference on a boundary probe before first use
 SELF_CHECK = True
 
@@ -176,123 +174,6 @@ def _kernel(kind: str, dialect: str, two_stage: bool) -> Callable:
     return k
 
 
-# ---- plans: everything a launch needs, per codec -------------------------------------------------
-@dataclass(frozen=True)
-class Plan:
-    kind: str
-    dim: int
-    bits1: int
-    bits2: int  # 0: single stage (decode: also stage 1 only)
-    mode: int
-    chunk: int  # coordinates holding whole words of both streams (= per thread in the chunk layout)
-    vl: int  # vector width of the float loads/stores (chunk layout)
-    search: int
-    layout: int  # the default layout (see make_plan)
-    lanes_ok: bool  # the lanes layout can run this configuration (1/2/4-bit codes, dim % 4 == 0)
-    tab: mx.array
-    tabn: int
-    words1: int
-    words2: int
-
-    @property
-    def chunks_per_vector(self) -> int:
-        return -(-self.dim // self.chunk)
-
-    def threads_per_vector(self, layout: int | None = None) -> int:
-        layout = self.layout if layout is None else layout
-        if layout == LAYOUT_CHUNK:
-            return self.chunks_per_vector
-        if self.kind == ENCODE:  # whole chunks, so the lanes of a word never straddle two vectors
-            return self.chunks_per_vector * (self.chunk // 4)
-        return self.dim // 4
-
-    def template(self, search: int | None = None, layout: int | None = None) -> list[tuple[str, int]]:
-        t = [("T_B1", self.bits1), ("T_B2", self.bits2), ("T_MODE", self.mode)]
-        if self.kind == ENCODE:
-            t.append(("T_SEARCH", self.search if search is None else search))
-        t.append(("T_LAYOUT", self.layout if layout is None else layout))
-        return t + [("T_VL", self.vl), ("T_C", self.chunk), ("T_TABN", self.tabn)]
-
-
-def config_key(codec, kind: str, stage1_only: bool = False) -> tuple:
-    """What a latch applies to: one kernel configuration."""
-    b2 = 0 if (stage1_only or not codec.bits2) else codec.bits2
-    return (kind, codec.dim, codec.bits1, b2, codec.residual if b2 else "none")
-
-
-def _chunk(b1: int, b2: int) -> int:
-    p1 = 32 // b1
-    return p1 if not b2 else math.lcm(p1, 32 // b2)
-
-
-def _vector_width(dim: int, chunk: int) -> int:
-    for vl in (4, 2, 1):
-        if dim % vl == 0 and chunk % vl == 0:
-            return vl
-    return 1
-
-
-def _table(values: list[np.ndarray]) -> tuple[mx.array, int]:
-    t = np.concatenate([np.asarray(v, dtype=np.float32).ravel() for v in values])
-    n = int(t.size)
-    # at least 8 entries: Metal passes smaller inputs in the constant address space
-    pad = np.zeros(max(8, n), dtype=np.float32)
-    pad[:n] = t
-    return mx.array(pad), max(n, 1)
-
-
-def _sorted(v: np.ndarray) -> bool:
-    v = np.asarray(v, dtype=np.float32).ravel()
-    return bool(np.all(np.isfinite(v))) and bool(np.all(v[1:] >= v[:-1]))
-
-
-def make_plan(codec, kind: str, stage1_only: bool = False) -> Plan | str:
-    """The launch plan for ``codec``, or a string saying why the kernels don't take it."""
-    b1 = codec.bits1
-    b2 = 0 if (stage1_only or not codec.bits2) else codec.bits2
-    if not (1 <= b1 <= 4 and 0 <= b2 <= 4):
-        return f"bits {(b1, b2)} out of range"
-    c1 = np.asarray(codec.centroids1, np.float32)
-    bd1 = np.asarray(codec.boundaries1, np.float32)
-    if c1.shape != (1 << b1,) or bd1.shape != ((1 << b1) - 1,) or not _sorted(bd1):
-        return "stage-1 tables malformed"
-    if b2:
-        c2 = np.asarray(codec.centroids2, np.float32)
-        bd2 = np.asarray(codec.boundaries2, np.float32)
-        if c2.shape != (1 << b1, 1 << b2) or bd2.shape != (1 << b1, (1 << b2) - 1):
-            return "stage-2 tables malformed"
-    mode = MODE_SINGLE
-    if b2:
-        mode = MODE_CONDITIONAL if codec.residual == "conditional" else MODE_SHARED
-    if kind == ENCODE:
-        if mode == MODE_SINGLE:
-            parts = [bd1]
-        elif mode == MODE_CONDITIONAL:
-            fine = getattr(codec, "_fine_thresholds", None)
-            if fine is None or len(fine) != (1 << (b1 + b2)) - 1 or not _sorted(fine):
-                return "conditional thresholds not nested"
-            parts = [fine]
-        else:
-            if not _sorted(bd2[0]):
-                return "shared stage-2 boundaries unsorted"
-            parts = [bd1, c1, bd2[0]]
-        nthr = (1 << (b1 + b2)) - 1 if mode == MODE_CONDITIONAL else (1 << max(b1, b2)) - 1
-        search = SEARCH_LINEAR if nthr <= LINEAR_MAX_THRESHOLDS else SEARCH_BINARY
-    elif kind == DECODE:
-        parts = [c1] if mode == MODE_SINGLE else [c2.ravel()] if mode == MODE_CONDITIONAL else [c1, c2[0]]
-        search = SEARCH_BINARY
-    else:
-        raise ValueError(f"unknown kernel kind {kind!r}")
-    tab, tabn = _table(parts)
-    chunk = _chunk(b1, b2)
-    lanes = codec.dim % 4 == 0 and b1 in (1, 2, 4) and b2 in (0, 1, 2, 4)
-    # measured on the H200 (tools/results/kernels-notes.md): encode is fastest with a thread per chunk
-    # (whole words, 16-byte loads), decode with a thread per float4 (fully coalesced 16-byte stores)
-    layout = LAYOUT_LANES if (lanes and kind == DECODE) else LAYOUT_CHUNK
-    return Plan(kind, codec.dim, b1, b2, mode, chunk, _vector_width(codec.dim, chunk), search,
-                layout, lanes, tab, tabn, codec.words1, codec.words2 if b2 else 0)
-
-
 def _plan(codec, kind: str, stage1_only: bool) -> Plan | str:
     per = _plans.setdefault(codec, {})
     key = (kind, stage1_only)
@@ -350,87 +231,6 @@ def launch_decode(plan: Plan, codes1: mx.array, codes2: mx.array | None, dialect
         inputs=inputs, template=plan.template(layout=layout),
         grid=(threads, 1, 1), threadgroup=(threads_per_group or THREADS_PER_GROUP, 1, 1),
         output_shapes=[(n, plan.dim)], output_dtypes=[mx.float32])[0]
-
-
-# ---- probes for the first-use check (and the parity tests) ----------------------------------------
-_SPECIAL = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 1.4e-45, -1.4e-45, 1.17549435e-38,
-                     -1.17549435e-38, 3.4028235e38, -3.4028235e38, 1e30, -1e30, 1e-30, -1e-30, 100.0, -100.0],
-                    dtype=np.float32)
-
-
-def boundary_values(codec) -> np.ndarray:
-    """float32 values on and next to every threshold the codec compares with, plus specials."""
-    vals = [np.asarray(codec.boundaries1, np.float32), np.asarray(codec.centroids1, np.float32)]
-    if codec.bits2:
-        b2 = np.asarray(codec.boundaries2, np.float32)
-        c2 = np.asarray(codec.centroids2, np.float32)
-        vals += [b2.ravel(), c2.ravel()]
-        if codec.residual == "shared":  # y whose residual lands on (or next to) a stage-2 boundary
-            c1 = np.asarray(codec.centroids1, np.float32)
-            vals.append((c1[:, None] + b2[0][None, :]).astype(np.float32).ravel())
-    v = np.concatenate(vals).astype(np.float32)
-    v = np.concatenate([v, np.nextafter(v, np.float32(np.inf)), np.nextafter(v, np.float32(-np.inf)), -v])
-    return np.concatenate([v, _SPECIAL]).astype(np.float32)
-
-
-def boundary_probe(codec, rows: int | None = None, seed: int = 0) -> np.ndarray:
-    """``(rows, dim)`` float32: every boundary value at every coordinate position, mixed with N(0, 1)."""
-    rng = np.random.default_rng(seed)
-    v = boundary_values(codec)
-    d = codec.dim
-    rows = rows or max(4, -(-2 * v.size // d))
-    flat = rng.standard_normal(rows * d).astype(np.float32)
-    idx = rng.permutation(rows * d)
-    k = min(v.size * 2, rows * d)
-    flat[idx[:k]] = np.resize(v, k)
-    return flat.reshape(rows, d)
-
-
-def _same(a: mx.array, b: mx.array) -> bool:
-    """Bit-identical (same shape and dtype; floats compared by their bits, so NaN == NaN)."""
-    if isinstance(a, mx.array) and isinstance(b, mx.array):
-        if a.dtype != b.dtype:
-            return False
-        if a.dtype in (mx.bfloat16, mx.float16):  # NumPy has no bfloat16: compare the bits
-            a, b = a.view(mx.uint16), b.view(mx.uint16)
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype == np.float32:
-        a, b = a.view(np.uint32), b.view(np.uint32)
-    return bool(np.array_equal(a, b))
-
-
-def _check_encode(codec, plan: Plan, dialect: str) -> None:
-    probe = mx.array(boundary_probe(codec))
-    got = launch_encode(plan, probe, dialect)
-    ref = codec._quantize_reference(probe)  # uncompiled: no JIT compile of the reference per configuration
-    if not _same(got[0], ref[0]) or (ref[1] is not None and not _same(got[1], ref[1])):
-        raise RuntimeError("encode kernel disagrees with the reference on the boundary probe")
-
-
-def _check_decode(codec, plan: Plan, dialect: str) -> None:
-    from .packing import pack_codes
-
-    rng = np.random.default_rng(1)
-    rows = max(8, -(-512 // codec.dim))
-    c1 = pack_codes(mx.array(rng.integers(0, 1 << plan.bits1, (rows, codec.dim), dtype=np.uint8)), plan.bits1)
-    c2 = None
-    if plan.bits2:
-        c2 = pack_codes(mx.array(rng.integers(0, 1 << plan.bits2, (rows, codec.dim), dtype=np.uint8)), plan.bits2)
-    got = launch_decode(plan, c1, c2, dialect)
-    ref = _reference_dequantize(codec, c1, c2)
-    if not _same(got, ref):
-        raise RuntimeError("decode kernel disagrees with the reference on random codes")
-
-
-def _reference_dequantize(codec, codes1, codes2):
-    """The codec's reference decode (uncompiled): stage 1 only, or ``_dequantize_reference``."""
-    from .packing import unpack_codes
-
-    if codes2 is None or not codec.bits2:
-        return mx.take(codec._c1_mx, unpack_codes(codes1, codec.bits1, codec.dim).astype(mx.uint32))
-    return codec._dequantize_reference(codes1, codes2)
 
 
 # ---- latch -----------------------------------------------------------------------------------------
@@ -504,7 +304,7 @@ def quantize_pack(codec, y: mx.array) -> tuple[mx.array, mx.array | None] | None
     lead = tuple(y.shape[:-1])
     y2d = y.reshape(-1, codec.dim)
     out = _run(codec, key, dialect, lambda: launch_encode(plan, y2d, dialect),
-               lambda: _check_encode(codec, plan, dialect))
+               lambda: kernel_checks.check_encode(codec, plan, dialect, launch_encode))
     if out is None:
         return None
     c1, c2 = out
@@ -537,7 +337,7 @@ def unpack_dequantize(codec, codes1: mx.array, codes2: mx.array | None) -> mx.ar
     c1 = codes1.reshape(-1, codec.words1)
     c2 = None if stage1_only else codes2.reshape(-1, codec.words2)
     out = _run(codec, key, dialect, lambda: launch_decode(plan, c1, c2, dialect),
-               lambda: _check_decode(codec, plan, dialect))
+               lambda: kernel_checks.check_decode(codec, plan, dialect, launch_decode))
     if out is None:
         return None
     return out.reshape(*lead, codec.dim)
