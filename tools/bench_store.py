@@ -218,38 +218,51 @@ class Bench:
 
 
 def markdown(res) -> str:
-    t, s, p = res["ttft"], res["sharing"], res["partial"]
+    lines = ["# Prefix store on SmolLM2-135M (CPU)", "",
+             f"`tools/bench_store.py`; {res['machine']}; OpenBLAS: {res['fast_blas']}; 4+2 bits, 64-token blocks.", ""]
+    if "ttft" in res:
+        lines += markdown_ttft(res["ttft"])
+    if "sharing" in res:
+        lines += markdown_sharing(res["sharing"])
+    if "partial" in res:
+        lines += markdown_partial(res["partial"])
+    return "\n".join(lines) + "\n"
+
+
+def markdown_ttft(t) -> list[str]:
     m = t["median_s"]
-    lines = [
-        "# Prefix store on SmolLM2-135M (CPU)", "",
-        f"`tools/bench_store.py`; {res['machine']}; OpenBLAS: {res['fast_blas']}; 4+2 bits, 64-token blocks.", "",
-        f"## Time to first token, cached {t['length']}-token prefix + 1 new token", "",
-        "| arm | median s | samples |", "|---|---|---|",
-    ]
+    lines = [f"## Time to first token, cached {t['length']}-token prefix + 1 new token", "",
+             "| arm | median s | samples |", "|---|---|---|"]
     for k in ("store-local", "store-s3", "re-prefill"):
         lines.append(f"| {k} | {m[k]:.3f} | {', '.join(f'{x:.3f}' for x in t['samples_s'][k])} |")
-    lines += ["", f"Speed-up vs re-prefill: local store **{t['speedup_local']:.1f}x**, loopback S3 "
-              f"**{t['speedup_s3']:.1f}x** (goal >= 20x). Same first token in every arm: {t['same_first_token']}. "
-              f"Put of a whole {t['length']}-token prompt: local {statistics.median(t['put_s']['local']):.2f} s, "
-              f"S3 {statistics.median(t['put_s']['s3']):.2f} s.", "",
-              f"## {s['prompts']} prompts sharing a {s['system_tokens']}-token system prompt, {s['own_tokens']} own "
-              f"tokens each", "",
-              "| | bytes |", "|---|---|",
-              f"| prefix store (blocks + namespace + use markers) | {s['store_bytes']:,} |",
-              f"| unique tokens ({s['unique_tokens']:,} tokens at one .rvq file's bytes per token) | {s['unique_bytes']:,.0f} |",
-              f"| one .rvq file per prompt | {s['one_file_per_prompt_bytes']:,.0f} |", "",
-              f"Store / unique tokens = **{s['ratio_vs_unique']:.3f}** (goal <= 1.1); one file per prompt takes "
-              f"{s['ratio_files_vs_store']:.1f}x the store's bytes. {s['blocks']} blocks; mean put "
-              f"{s['put_s_mean']:.2f} s.", "",
-              f"## Partial-prefix hit: {p['shared_tokens']} of a stored {p['stored_tokens']}-token prompt", "",
-              "| store | tokens reused | bytes read | whole entry | fraction |", "|---|---|---|---|---|"]
+    return lines + ["", f"Speed-up vs re-prefill: local store **{t['speedup_local']:.1f}x**, loopback S3 "
+                    f"**{t['speedup_s3']:.1f}x** (goal >= 20x). Same first token in every arm: {t['same_first_token']}. "
+                    f"Put of a whole {t['length']}-token prompt: local {statistics.median(t['put_s']['local']):.2f} s, "
+                    f"S3 {statistics.median(t['put_s']['s3']):.2f} s.", ""]
+
+
+def markdown_sharing(s) -> list[str]:
+    return [f"## {s['prompts']} prompts sharing a {s['system_tokens']}-token system prompt, {s['own_tokens']} own "
+            f"tokens each", "",
+            "| | bytes |", "|---|---|",
+            f"| prefix store (blocks + namespace + use markers) | {s['store_bytes']:,} |",
+            f"| unique tokens ({s['unique_tokens']:,} tokens at one .rvq file's bytes per token) | {s['unique_bytes']:,.0f} |",
+            f"| one .rvq file per prompt | {s['one_file_per_prompt_bytes']:,.0f} |", "",
+            f"Store / unique tokens = **{s['ratio_vs_unique']:.3f}** (goal <= 1.1); one file per prompt takes "
+            f"{s['ratio_files_vs_store']:.1f}x the store's bytes. {s['blocks']} blocks; mean put "
+            f"{s['put_s_mean']:.2f} s.", ""]
+
+
+def markdown_partial(p) -> list[str]:
+    lines = [f"## Partial-prefix hit: {p['shared_tokens']} of a stored {p['stored_tokens']}-token prompt", "",
+             "| store | tokens reused | bytes read | whole entry | fraction |", "|---|---|---|---|---|"]
     for w in ("local", "s3"):
         q = p[w]
         lines.append(f"| {w} | {q['hit_tokens']} | {q['bytes_read']:,} | {q['entry_bytes']:,} | {q['fraction']:.3f} |")
     lines += ["", "S3: bytes over the wire, counted (whole blocks for the blocks the hit uses; the last, shared in "
               "part, is found by reading candidate blocks' token ids). Local: sizes of the block files opened "
               "(memory-mapped; an upper bound)."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main():
@@ -265,6 +278,7 @@ def main():
     ap.add_argument("--share", type=int, default=1000)
     ap.add_argument("--md", default="tools/results/store-cpu.md")
     ap.add_argument("--json", default="tools/results/store-cpu.json")
+    ap.add_argument("--parts", default="ttft,partial,sharing", help="which measurements (comma-separated)")
     a = ap.parse_args()
     if a.quick:
         a.length, a.rounds, a.prefill_rounds, a.system, a.own, a.prompts, a.share = 512, 2, 1, 256, 40, 5, 200
@@ -276,11 +290,18 @@ def main():
     try:
         res = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "fast_blas": blas_is_fast(),
                "args": vars(a)}
-        res["ttft"] = b.ttft()
-        print(json.dumps(res["ttft"]["median_s"]), flush=True)
-        res["partial"] = b.partial()
-        print(json.dumps(res["partial"]), flush=True)
-        res["sharing"] = b.sharing()
+        parts = a.parts.split(",")
+        if "ttft" in parts:
+            res["ttft"] = b.ttft()
+            print(json.dumps(res["ttft"], default=str), flush=True)
+        if "partial" in parts:
+            if "ttft" not in parts:
+                raise SystemExit("--parts partial needs ttft (it reads the prompts ttft stores)")
+            res["partial"] = b.partial()
+            print(json.dumps(res["partial"]), flush=True)
+        if "sharing" in parts:
+            res["sharing"] = b.sharing()
+            print(json.dumps(res["sharing"]), flush=True)
     finally:
         b.close()
     md = markdown(res)
