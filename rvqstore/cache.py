@@ -15,6 +15,7 @@ quantized path for any cache that has it.
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Any
 
 import mlx.core as mx
@@ -210,7 +211,7 @@ class RVQKVCache:
         self._init_geometry(keys, values)
         t = keys.shape[2]
         if t == 0:  # as mlx-lm's KVCache: nothing appended, the (possibly empty) history returned
-            return self._fetch()
+            return self._handed_out(self._fetch())
         start_coded = self.n_coded
         if self.dense_window == 0:
             self._append(keys, values)
@@ -225,7 +226,13 @@ class RVQKVCache:
         self.offset += t
         if self.mode == "resident":
             self._extend_resident(start_coded)
-        return self._fetch()
+        return self._handed_out(self._fetch())
+
+    def _handed_out(self, kv: tuple) -> tuple:
+        """Remember (weakly) the keys/values handed to the model: attention on codes serves only calls
+        that attend over exactly those (latent-attention models pass arrays derived from the cache's)."""
+        self._fetched = tuple(weakref.ref(a) for a in kv) if kv[0] is not None else None
+        return kv
 
     def _joint(self) -> bool:
         """Keys and values share a head dim and bits: encode/decode them in one codec call (half the dispatches)."""

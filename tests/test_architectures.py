@@ -214,3 +214,18 @@ def test_resume_stops_where_a_moved_window_cannot_rewind(models, tmp_path):
     np.testing.assert_array_equal(np.array(prefill(model, prompt, r.cache)), np.array(prefill(model, prompt, fresh)))
     r = rvqstore.resume(path, tokens + [5], model)
     assert r.reused == 40 and r.reason == "every stored token is reused"
+
+
+def test_attention_on_codes_serves_only_calls_over_the_cache_own_arrays(models, monkeypatch):
+    """Latent attention (deepseek_v3) attends over arrays derived from the cached latent: mlx-lm's path;
+    a plain model's calls are served from the codes."""
+    import rvqstore.attention as attention
+
+    served = []
+    real = attention.attend
+    monkeypatch.setattr(attention, "attend", lambda *a, **k: served.append(1) or real(*a, **k))
+    for arch, want in (("llama", True), ("deepseek_v3", False)):
+        served.clear()
+        cache = rvqstore.make_prompt_cache(models[arch], bits=(2, 2))
+        _steps(models[arch], cache, _prompt(8))
+        assert bool(served) == want, arch

@@ -34,9 +34,17 @@ def handler(cache: Any) -> Callable | None:
     return getattr(cache, "attend_on_codes", None)
 
 
+def _passes_its_own_arrays(cache: Any, keys: Any, values: Any) -> bool:
+    """Whether the call attends over exactly the keys/values the cache's last update handed out.
+    Latent-attention models (DeepSeek V2/V3, Kimi) cache a latent and its rope part, then attend over
+    arrays derived from them: those calls must go to mlx-lm's function."""
+    fetched = getattr(cache, "_fetched", None)
+    return fetched is not None and fetched[0]() is keys and fetched[1]() is values
+
+
 def _make_wrapper(original: Callable) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        attend = None if _bypass else handler(cache)
+        attend = None if _bypass or not _passes_its_own_arrays(cache, keys, values) else handler(cache)
         if attend is not None:
             out = attend(queries, scale=scale, mask=mask, sinks=sinks)
             if out is not None:  # None: the cache chose decode-then-SDPA for this call
