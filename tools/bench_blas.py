@@ -74,6 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     if fast_blas_path() is None:
         raise SystemExit("no OpenBLAS installed here: nothing to compare (apt-get install libopenblas0-pthread)")
+    load_before = os.getloadavg()[0]
     res: dict[str, list[dict]] = {"reference": [], "openblas": []}
     for _ in range(args.rounds):
         for arm in ("reference", "openblas"):
@@ -84,7 +85,10 @@ def main() -> None:
     assert not any(r["fast"] for r in res["reference"]) and all(r["fast"] for r in res["openblas"])
     lines = ["# MLX CPU backend: reference BLAS (mlx[cpu] wheel) vs OpenBLAS preloaded", "",
              f"`python tools/bench_blas.py --tokens {args.tokens} --rounds {args.rounds}` (arms alternate, one process "
-             "each, medians; 2-core x86 VM shared with other jobs, so absolute times are noisy, ratios less so).", "",
+             f"each, medians) on a 2-core x86 VM; 1-minute load average {load_before:.1f} before and "
+             f"{os.getloadavg()[0]:.1f} after the run. Other jobs shared the cores: OpenBLAS's threads suffer most from "
+             "that, so on a busy machine the ratio understates the gap (quiet machine, README: a 512-token prefill "
+             "36 s vs 1.9 s).", "",
              "| arm | float32 matmul 512x576x1536 | bundled SmolLM2 prefill, " + f"{args.tokens} tokens |", "|---|---|---|"]
     for arm in ("reference", "openblas"):
         lines.append(f"| {arm} | {med[arm]['matmul_s'] * 1e3:.1f} ms | {med[arm]['prefill_s']:.2f} s |")
