@@ -272,3 +272,16 @@ def test_protocols_score_the_second_half_like_one_full_pass(tiny, protocol, chun
     np.testing.assert_allclose(np.array(lp), np.array(full[24:49]), atol=1e-4)
     with pytest.raises(ValueError, match="protocol must be one of"):
         P.next_token_logprobs(tiny, ids, [], "whole")
+
+
+@pytest.mark.model
+def test_real_model_short_text(smollm2):
+    """The bundled SmolLM2 on 96 tokens of the prose text: the exact path reproduces the reference,
+    and more bits give less token KL and key error (real activations, the same code as the tool)."""
+    model, tok = smollm2
+    ids = load_tokens(tok, DEFAULT_TEXTS[0], 96)
+    ref = P.reference(model, ids)
+    exact = P.run_method(model, ids, M.Method("exact", "x", lambda l, s: M.Quantizer("x", 32.0, lambda x: x)), ref)
+    assert float(exact.scores.kl.max()) < 1e-5
+    lo, hi = (P.run_method(model, ids, M.uniform(M.rvq(b), "r"), ref) for b in ((2, 1), (4, 2)))
+    assert 0 < hi.scores.kl.mean() < lo.scores.kl.mean() and hi.k_err < lo.k_err / 10

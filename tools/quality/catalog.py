@@ -40,4 +40,8 @@ def group(name: str, *, dim: int = 64, profile: dict | None = None) -> list[M.Me
             table = allocate(profile, b)
             out.append(M.allocated(table, f"RVQ alloc {b:g}", "RVQ allocated", dim=dim))
         return out
+    if name == "alloc+":  # the allocation plus the two cheap wins (evaluation only: not in the codec yet)
+        if profile is None:
+            raise ValueError("--methods alloc+ needs --profile (tools/probe_sensitivity.py)")
+        return [M.variant(m, sink=1, center_keys=True) for m in group("alloc", dim=dim, profile=profile)]
     raise ValueError(f"unknown method group {name!r}")

@@ -44,6 +44,42 @@ def table(res: dict, protocol: str) -> list[str]:
     return out
 
 
+# The issue's goals: (preset, budget bits/coord, token KL at most, Δppl at most or None), and the
+# evaluated rows that are those presets (rvqstore.presets without and with the SmolLM2 profile).
+GOALS = (("small", 3.0, 0.10, None), ("balanced", 4.5, 0.03, 0.02), ("near-lossless", 6.0, 0.003, None))
+PRESET_ROWS = {"small": ("K 2+1 / V 1+1", "RVQ alloc 3"), "balanced": ("K 4+1 / V 2+1", "RVQ alloc 4.5"),
+               "near-lossless": ("K 4+2 / V 4+1", "RVQ alloc 6")}
+
+
+def goals_table(res: dict, protocol: str = "half") -> list[str]:
+    """Each preset against its goal, pooled and on the held-aside text, and against every rotated-affine
+    row of equal or fewer bits on every text."""
+    rows = {r["name"]: r for r in rows_of(res, protocol)}
+    held = [t["name"] for t in res["texts"] if t["held_aside"]]
+    names = [t["name"] for t in res["texts"]]
+    out = ["| preset | as evaluated | bits | tok KL pooled (goal) | Δppl pooled | " + "".join(f"tok KL {h} | Δppl {h} | " for h in held)
+           + "goal | ahead of rotated affine at ≤ bits, every text |", "|" + "---|" * (7 + 2 * len(held))]
+    for preset, budget, kl_goal, ppl_goal in GOALS:
+        for label, name in zip(("per side", "per layer+side (profile)"), PRESET_ROWS[preset]):
+            r = rows.get(name)
+            if r is None or "pooled" not in r:
+                continue
+            p = r["pooled"]
+            ok = r["bits"] <= budget + 1e-9 and p["tok_kl"] <= kl_goal and (ppl_goal is None or p["ppl_delta"] <= ppl_goal)
+            rivals = [x for x in rows.values() if x["family"].startswith("rotated") and x["bits"] <= r["bits"] + 1e-9]
+            beaten = [x for x in rivals if all(r["texts"][n]["tok_kl"] < x["texts"][n]["tok_kl"] for n in names)]
+            goal = f"≤ {kl_goal:g}" + (f", Δppl ≤ +{100 * ppl_goal:g}%" if ppl_goal else "")
+            cells = [f"{preset} ({label})", f"`{name}`", f"{r['bits']:.2f} (≤ {budget:g})", f"{_e(p['tok_kl'])} ({goal})",
+                     _pct(p)]
+            for h in held:
+                cells += [_e(r["texts"][h]["tok_kl"]), _pct(r["texts"][h])]
+            cells += ["**met**" if ok else "missed",
+                      (f"yes ({len(beaten)} of {len(rivals)})" if len(beaten) == len(rivals) else
+                       f"no: behind {', '.join(x['name'] for x in rivals if x not in beaten)}") if rivals else "none at ≤ bits"]
+            out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 def texts_table(res: dict) -> list[str]:
     proto = res["protocols"][0]
     any_row = rows_of(res, proto)[0]
@@ -96,6 +132,9 @@ def render(res: dict) -> str:
            "0.003 / 0.03 / 0.10.", "", "![bits vs token KL](quality.png)", ""]
     if FINDINGS.exists():
         out += [FINDINGS.read_text(encoding="utf-8").rstrip(), ""]
+    out += ["## Goals of issue 11", "", "Pooled over the tuning texts; the held-aside text separately. "
+            "Bits are stored bits per coordinate at head dim 64 (norms counted, fixed-width codes).", ""]
+    out += goals_table(res) + [""]
     out += ["## Texts", ""] + texts_table(res) + [""]
     for proto in res["protocols"]:
         desc = ("first half prefilled in chunks of 512, second half in one pass" if proto == "half" else
