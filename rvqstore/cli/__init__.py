@@ -1,10 +1,12 @@
 """The ``rvqstore`` command line: :func:`main` and the parser built from the registered subcommands.
 
 Imports read one way: this package imports the command modules (which register themselves in
-:mod:`.registry`); a command module imports only :mod:`.registry` and :mod:`.options`, never this file.
+:mod:`.registry`); a command module imports its siblings (:mod:`.registry`, :mod:`.options`, ...),
+never this file.
 
 - :mod:`.file_commands`: ``inspect``, ``verify`` (header / checksums of a ``.rvq`` file)
-- :mod:`.prompt_commands`: ``cache-prompt``, ``generate`` (run a model)
+- :mod:`.prompt_commands`: ``cache-prompt``, ``generate`` (run a model; ``generate --store`` in
+  :mod:`.store_generate`)
 - :mod:`.demo`: ``demo``
 - :mod:`.store_commands`: ``store ls | du | gc | verify``
 - :mod:`.serve`: ``serve`` (mlx-lm's server with a store-backed prompt cache)
@@ -32,10 +34,11 @@ from .file_commands import describe  # noqa: F401 - part of the public CLI modul
 _COMMANDS: list[Command] = registry.COMMANDS
 
 
-def subcommand(name: str, *, help: str, configure: Callable[[argparse.ArgumentParser], None] | None = None):
+def subcommand(name: str, *, help: str, configure: Callable[[argparse.ArgumentParser], None] | None = None,
+               passthrough: bool = False):
     """Register ``fn(args) -> int`` as the subcommand ``name`` (in this module's ``_COMMANDS``, which
     is the built-in registry unless replaced, e.g. by a test)."""
-    return registry.register(_COMMANDS, name, help=help, configure=configure)
+    return registry.register(_COMMANDS, name, help=help, configure=configure, passthrough=passthrough)
 
 
 class _Parser(argparse.ArgumentParser):
