@@ -203,3 +203,20 @@ def test_greedy_smollm2_matches_decode_then_sdpa(smollm2, sample_tokens):
     with hook.bypass():
         reference = list(greedy_tokens(model, make_prompt_cache(model), prompt, 64))
     assert len(on_codes) == 64 and on_codes == reference
+
+
+def test_resumed_packed_cache_attends_from_the_files_codes(tmp_path):
+    """Resume without decoding: a loaded packed cache holds only the file's codes and serves attention
+    from them, with the very result the saved cache gives."""
+    import rvqstore
+
+    caches = [RVQKVCache((2, 2)) for _ in range(2)]
+    for i, c in enumerate(caches):
+        c.update_and_fetch(*_kv(1, 2, 77, 64, mx.float16, seed=i))
+    rvqstore.save_prompt_cache(tmp_path / "p.rvq", caches)
+    loaded = rvqstore.load_prompt_cache(tmp_path / "p.rvq")
+    q = mx.array(np.random.default_rng(9).standard_normal((1, 8, 1, 64)).astype(np.float32)).astype(mx.float16)
+    for a, b in zip(caches, loaded):
+        assert b.mode == "packed" and b._res_k is None and b.n_coded == 77
+        assert b.nbytes == b.packed_nbytes  # codes and scales only: nothing was decoded
+        assert mx.array_equal(a.attend_on_codes(q, scale=0.125), b.attend_on_codes(q, scale=0.125))
