@@ -3,7 +3,8 @@
 One layer of a given geometry (default Llama-3-8B: 32 query heads, 8 KV heads, head dim 128), batch 1,
 one query (a decode step), caches filled with random keys/values to each context. Arms, interleaved
 round by round: ``sdpa`` (mlx fast SDPA over fp16 K/V of the context), ``codes-2+2`` / ``codes-4+2``
-(``RVQKVCache.attend_on_codes``: query rotation, the split-K kernel, combine, un-rotation). Each
+(``RVQKVCache.attend_on_codes``: the split-K kernel, which rotates the queries, and the merge kernel,
+which un-rotates), and with ``--breakdown`` on a GPU the split and merge kernels launched alone. Each
 sample times ``k`` calls issued back to back (one sync), divided by ``k``; medians over rounds.
 
     python tools/bench_attention.py [--contexts 1024,8192,32768,131072] [--json out.json]
@@ -22,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from rvqstore import RVQKVCache  # noqa: E402
+from rvqstore import RVQKVCache, fused  # noqa: E402
+from rvqstore.attention import kernel  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", default="2+2,4+2")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--breakdown", action="store_true", help="also time the split and merge kernels alone")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     hq, hkv, d = a.heads, a.kv_heads, a.head_dim
@@ -51,6 +54,17 @@ def main(argv=None) -> int:
                 c.update_and_fetch(k[:, :, s:s + 4096], v[:, :, s:s + 4096])
             mx.eval(c.state)
             arms[f"codes-{bits}"] = (lambda c: lambda q: c.attend_on_codes(q, scale=d ** -0.5))(c)
+            dialect = fused.gpu_backend()
+            if a.breakdown and dialect and bits == a.bits.split(",")[0]:
+                # the two launches alone (no Python dispatch around them): where the time goes
+                view = c.codes_view()
+                split = (lambda view: lambda q: kernel.launch(view, q.reshape(1, hkv, hq // hkv, d), 1, False,
+                                                              dialect, scale=d ** -0.5))(view)
+                o, ml = split(qs[0])
+                mx.eval(o, ml)
+                arms[f"split-kernel-{bits}"] = split
+                arms[f"merge-kernel-{bits}"] = (lambda view, o, ml: lambda q: kernel.merge(
+                    view, o, ml, (1, hq, 1, d), q.dtype, dialect))(view, o, ml)
         times = {name: [] for name in arms}
         for name, f in arms.items():  # warm up: compile, first-use checks
             mx.eval(f(qs[0]))
@@ -63,7 +77,8 @@ def main(argv=None) -> int:
                 mx.synchronize()
                 times[name].append((time.perf_counter() - t0) / a.k * 1e3)
         row = {"context": n, "ms": {name: statistics.median(t) for name, t in times.items()}}
-        row["speedup_vs_sdpa"] = {name: row["ms"]["sdpa"] / ms for name, ms in row["ms"].items() if name != "sdpa"}
+        row["speedup_vs_sdpa"] = {name: row["ms"]["sdpa"] / ms for name, ms in row["ms"].items()
+                                  if name.startswith("codes")}
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
         del k, v, arms
