@@ -58,15 +58,23 @@ def model_fingerprint(model: nn.Module, tokenizer: Any, source: str | Path | Non
     label such as the path; leave it out of equality checks if files may move). Deterministic across
     processes; plain str/int values only, so it packs into msgpack as is.
     """
-    args = model.args
-    heads = int(args.num_attention_heads)
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)  # multimodal wrappers (qwen3_5, gemma3) keep them there
+    text = text if isinstance(text, dict) else {}
+
+    def arg(name: str, default: Any = None) -> Any:
+        v = getattr(args, name, None)
+        return text.get(name, default) if v is None else v
+
+    heads = int(arg("num_attention_heads", 1))
+    hidden = int(arg("hidden_size", 0))
     fp: dict[str, str | int] = {
-        "model_type": str(getattr(args, "model_type", None) or getattr(model, "model_type", "unknown")),
+        "model_type": str(arg("model_type") or getattr(model, "model_type", "unknown")),
         "num_layers": len(model.layers),
-        "num_kv_heads": int(getattr(args, "num_key_value_heads", None) or heads),
-        "head_dim": int(getattr(args, "head_dim", None) or args.hidden_size // heads),
-        "hidden_size": int(args.hidden_size),
-        "vocab_size": int(args.vocab_size),
+        "num_kv_heads": int(arg("num_key_value_heads") or heads),
+        "head_dim": int(arg("head_dim") or hidden // heads),
+        "hidden_size": hidden,
+        "vocab_size": int(arg("vocab_size", 0)),
         "weights_sha256": _weights_sha256(model),
     }
     if tokenizer is not None:

@@ -47,7 +47,8 @@ def parameters_digest(model: Any) -> str:
     h = xxhash.xxh3_128()
     for name, a in tree_flatten(model.parameters()):
         h.update(f"{name}|{tuple(a.shape)}|{a.dtype}\n".encode())
-        h.update(memoryview(np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)).cast("B"))
+        # a parameter may be a strided view (jamba's conv weights): bytes in C order, copied only then
+        h.update(memoryview(np.ascontiguousarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)).cast("B"))
     return h.hexdigest()
 
 

@@ -229,3 +229,12 @@ def test_attention_on_codes_serves_only_calls_over_the_cache_own_arrays(models, 
         cache = rvqstore.make_prompt_cache(models[arch], bits=(2, 2))
         _steps(models[arch], cache, _prompt(8))
         assert bool(served) == want, arch
+
+
+def test_multimodal_wrapper_args_fingerprint_and_save(tmp_path):
+    """qwen3_5 keeps its text model's args under text_config: fingerprint and snapshot work all the same."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from smoke_architectures import EXTRA, check
+
+    r = check(EXTRA["qwen3_5"])
+    assert r["kinds"] == ["arrays", "rvq", "arrays", "rvq"] and r["exact"] and r["rel"] < 0.07
