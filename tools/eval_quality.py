@@ -37,21 +37,35 @@ from quality.store import RunStore  # noqa: E402
 from quality.texts import DEFAULT_TEXTS, Text, load_tokens, text_from_arg  # noqa: E402
 
 
+def _key(model_name: str, t: Text, n_tokens: int, proto: str, chunk: int, m: Method) -> dict:
+    return {"model": model_name, "text": t.name, "path": t.path.name, "tokens": n_tokens,
+            "protocol": proto, "chunk": chunk if proto == "stream" else 0, "method": m.name}
+
+
 def evaluate(model: Any, tokenizer: Any, texts: Sequence[Text], methods: Sequence[Method], *, n_tokens: int,
              protocols: Sequence[str] = ("half",), chunk: int = 128, store: RunStore | None = None,
-             model_name: str = "bundled", log: Callable[[str], None] = print) -> dict:
-    """Every method on every text under every protocol; returns the results dict of the report."""
+             model_name: str = "bundled", stored_only: bool = False, log: Callable[[str], None] = print) -> dict:
+    """Every method on every text under every protocol; returns the results dict of the report.
+    ``stored_only``: report only the (method, protocol) pairs whose runs are all in ``store``."""
     store = store or RunStore(None)
     n_layers = len(model.layers)
     rows = []
     for proto in protocols:
-        per = {m.name: {} for m in methods}
+        chosen = methods
+        if stored_only:
+            def stored(m: Method) -> bool:
+                return all(store.get(_key(model_name, t, n_tokens, proto, chunk, m)) is not None for t in texts)
+
+            chosen = [m for m in methods if stored(m)]
+            for m in methods:
+                if m not in chosen:
+                    log(f"{proto} {m.name}: not all runs stored, left out")
+        per = {m.name: {} for m in chosen}
         for t in texts:
             ids = load_tokens(tokenizer, t, n_tokens)
             ref = None
-            for m in methods:
-                key = {"model": model_name, "text": t.name, "path": t.path.name, "tokens": n_tokens,
-                       "protocol": proto, "chunk": chunk if proto == "stream" else 0, "method": m.name}
+            for m in chosen:
+                key = _key(model_name, t, n_tokens, proto, chunk, m)
                 run = store.get(key)
                 if run is None:
                     if ref is None:
@@ -62,7 +76,7 @@ def evaluate(model: Any, tokenizer: Any, texts: Sequence[Text], methods: Sequenc
                     log(f"{proto} {t.name} {m.name}: tok KL {run.scores.kl.mean():.4f} "
                         f"({time.perf_counter() - t0:.0f}s)")
                 per[m.name][t.name] = run
-        for m in methods:
+        for m in chosen:
             runs = per[m.name]
             tuning = [t for t in texts if not t.held_aside]
             row = {"name": m.name, "family": m.family, "protocol": proto,
@@ -110,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated method names to keep from the groups")
     ap.add_argument("--profile", default=None, help="slot sensitivities for the alloc group")
     ap.add_argument("--runs", default=None, help="folder of per-run results to reuse and extend")
+    ap.add_argument("--stored-only", action="store_true",
+                    help="report only methods whose runs are all in --runs (nothing is computed)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--out", default=None, help="folder for quality.md and quality.png")
     ap.add_argument("--from-json", action="append", default=None,
@@ -138,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise SystemExit(f"--only names not in the groups: {sorted(keep - {m.name for m in methods})}")
         res = evaluate(model, tokenizer, texts, methods, n_tokens=args.tokens, protocols=args.protocol or ["half"],
                        chunk=args.chunk, store=RunStore(Path(args.runs) if args.runs else None),
-                       model_name=args.model or "bundled SmolLM2-135M-Instruct", log=log)
+                       model_name=args.model or "bundled SmolLM2-135M-Instruct", stored_only=args.stored_only,
+                       log=log)
         res["argv"] = " ".join(sys.argv[1:] if argv is None else argv)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1), encoding="utf-8")
