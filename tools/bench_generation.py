@@ -141,7 +141,7 @@ def run_context(a, model, n, arms, dtype):
             step(model, cs, 2)
             trim(cs, 2)
             caches[arm] = cs
-            rows[arm] = {"step_ms": [], "peak_bytes": 0,
+            rows[arm] = {"step_ms": [], "cpu_ms": [], "peak_bytes": 0,
                          "cache_nbytes": int(sum(getattr(c, "nbytes", 0) for c in cs))}
         except Exception as e:  # e.g. QuantizedKVCache on CUDA: no quantized_matmul for this shape
             rows[arm] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
@@ -157,18 +157,20 @@ def run_context(a, model, n, arms, dtype):
             tok = 3 + r
             for _ in range(a.steps):
                 mx.synchronize()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 tok = step(model, cs, tok % 1000)
                 mx.synchronize()
                 rows[arm]["step_ms"].append((time.perf_counter() - t0) * 1e3)
+                rows[arm]["cpu_ms"].append((time.process_time() - c0) * 1e3)
             # this arm's cache plus what its steps allocate on top of everything already held
             transient = mx.get_peak_memory() - before
             rows[arm]["peak_bytes"] = max(rows[arm]["peak_bytes"], rows[arm]["cache_nbytes"] + transient)
             trim(cs, a.steps)
     for arm in live:
         ms = statistics.median(rows[arm]["step_ms"])
-        rows[arm].update(step_median_ms=ms, tokens_per_s=1e3 / ms)
-        del rows[arm]["step_ms"]
+        rows[arm].update(step_median_ms=ms, tokens_per_s=1e3 / ms,
+                         step_cpu_median_ms=statistics.median(rows[arm]["cpu_ms"]))
+        del rows[arm]["step_ms"], rows[arm]["cpu_ms"]
     if a.resume:
         # .rvq files with the library default (compress="auto": zstd where it pays) and uncompressed
         files = {}
@@ -198,6 +200,8 @@ def run_context(a, model, n, arms, dtype):
                                      if "kv" in live and rows["kv"]["peak_bytes"] else None)
         rows[arm]["step_over_kv"] = (rows[arm]["step_median_ms"] / rows["kv"]["step_median_ms"]
                                      if "kv" in live else None)
+        rows[arm]["cpu_over_kv"] = (rows[arm]["step_cpu_median_ms"] / rows["kv"]["step_cpu_median_ms"]
+                                    if "kv" in live and rows["kv"]["step_cpu_median_ms"] else None)
         if "resume_s" in rows[arm] and "kv" in live and "resume_s" in rows["kv"]:
             rows[arm]["resume_speedup_vs_kv"] = rows["kv"]["resume_s"] / rows[arm]["resume_s"]
             if "resume_s_raw" in rows[arm]:
@@ -213,16 +217,18 @@ def markdown(res):
              "from this one run. Peak = the arm's cache bytes + what its steps allocate on top "
              "(`mx.get_peak_memory()` during the steps minus active memory before them); weights left out.", "",
              "Resume = load the file + one token; `raw` = the .rvq saved with `compress=\"none\"`.", "",
-             "| context | arm | step ms | tok/s | step / kv | peak MiB | peak / kv | cache MiB | file MB | resume s | kv resume / resume | raw: resume s | kv / raw |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "CPU ms = process CPU time per step (all threads): a load-robust measure of the work on a shared machine.", "",
+             "| context | arm | step ms | tok/s | step / kv | CPU ms | CPU / kv | peak MiB | peak / kv | cache MiB | file MB | resume s | kv resume / resume | raw: resume s | kv / raw |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda v, p=2: "–" if v is None else f"{v:.{p}f}"  # noqa: E731
     for n, rows in res["contexts"].items():
         for arm, r in rows.items():
             if "error" in r:
-                lines.append(f"| {n} | {arm} | fails: {r['error'][:90]} | | | | | | | | | | |")
+                lines.append(f"| {n} | {arm} | fails: {r['error'][:90]} | | | | | | | | | | | | |")
                 continue
             lines.append(f"| {n} | {arm} | {f(r['step_median_ms'])} | {f(r['tokens_per_s'], 1)} | "
-                         f"{f(r.get('step_over_kv'))} | {r['peak_bytes'] / 2**20:.1f} | {f(r.get('peak_over_kv'))} | "
+                         f"{f(r.get('step_over_kv'))} | {f(r.get('step_cpu_median_ms'), 1)} | {f(r.get('cpu_over_kv'))} | "
+                         f"{r['peak_bytes'] / 2**20:.1f} | {f(r.get('peak_over_kv'))} | "
                          f"{r['cache_nbytes'] / 2**20:.1f} | "
                          f"{f(r['file_bytes'] / 1e6, 1) if 'file_bytes' in r else '–'} | {f(r.get('resume_s'), 3)} | "
                          f"{f(r.get('resume_speedup_vs_kv'))} | {f(r.get('resume_s_raw'), 3)} | "
