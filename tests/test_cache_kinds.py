@@ -124,3 +124,22 @@ def test_rotating_cache_refuses_bad_input_unchanged():
     with pytest.raises(CodecConfigError):  # an unsupported head dim on first use
         fresh.update_and_fetch(mx.zeros((1, 1, 2, 7)), mx.zeros((1, 1, 2, 7)))
     assert fresh.empty()
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+def test_conversion_of_a_wrapped_ring_then_attention_matches(mode):
+    """mlx-lm's in-place ring (single-token updates past the window, sinks kept) converts to the same window."""
+    mx.random.seed(4)
+    ref = RotatingKVCache(12, 2)
+    for _ in range(30):
+        k = mx.random.normal((1, 2, 1, 64))
+        ref.update_and_fetch(k, k * 0.5)
+    conv = convert_prompt_cache([ref], bits=(4, 4), mode=mode)[0]
+    assert (conv.offset, conv.n_held) == (30, 12)
+    want = ref._temporal_order(ref.keys)
+    assert float(mx.abs(conv.keys_and_values()[0] - want).max()) < 0.05
+    for s in (1, 5, 1):
+        q, k, v = (mx.random.normal((1, 2, s, 64)) for _ in range(3))
+        _, oa = _attend(ref, q, k, v, None)
+        _, ob = _attend(conv, q, k, v, None)
+        assert float(mx.abs(oa - ob).max()) < 0.05
