@@ -620,6 +620,7 @@ VALID: dict[str, Callable[[], bytes]] = {
     **{name: (lambda b=b: assemble_11(*b())) for name, b in V11.items()},
     "settled_rules.rvq": lambda: assemble(*v_settled()),
     "dense_with_quantizer.rvq": lambda: assemble(*v_dense_with_quantizer()),
+    "entropy_coded.rvq": lambda: assemble(*v_entropy_coded(), minor=1, features=["entropy-coded"]),
 }
 
 #: Valid vectors the library writer must reproduce byte for byte (raw codecs only), with its inputs.
@@ -633,6 +634,147 @@ WRITER_EQUIVALENT = {
     **DECODE_VECTORS,
     **V11,
 }
+
+
+# ---- revision 1.1: the rans section codec (feature entropy-coded, spec 9.3) ----------------------------------
+# A scalar rANS coder written from the spec, one symbol at a time (independent of rvqstore.format.rans).
+RANS_L = 1 << 16
+
+
+def _rans_unpack(words: list[int], bits: int, dim: int) -> list[int]:
+    per, w = 32 // bits, -(-dim // (32 // bits))
+    return [(words[v * w + j // per] >> ((j % per) * bits)) & ((1 << bits) - 1)
+            for v in range(len(words) // w) for j in range(dim)]
+
+
+def _rans_pack(codes: list[int], bits: int, dim: int) -> list[int]:
+    per, w = 32 // bits, -(-dim // (32 // bits))
+    out = [0] * (len(codes) // dim * w)
+    for i, c in enumerate(codes):
+        v, j = divmod(i, dim)
+        out[v * w + j // per] |= c << ((j % per) * bits)
+    return out
+
+
+def rans_freq(counts: list[int], prob_bits: int) -> list[int]:
+    """The spec's frequency rule (9.3)."""
+    m, n = 1 << prob_bits, sum(counts)
+    if n == 0:
+        return [m] + [0] * (len(counts) - 1)
+    f = [max(1, c * m // n) if c else 0 for c in counts]
+    r = m - sum(f)
+    if r > 0:
+        f[counts.index(max(counts))] += r
+    while r < 0:
+        s = f.index(max(f))
+        d = min(-r, f[s] - 1)
+        f[s] -= d
+        r += d
+    return f
+
+
+def rans_encode(data: bytes, bits: int, dim: int, contexts: int, lanes: int, prob_bits: int) -> bytes:
+    words = list(struct.unpack(f"<{len(data) // 4}I", data))
+    sym = _rans_unpack(words, bits, dim)
+    n, k = len(sym), 1 << bits
+    tables = dim if contexts else 1
+    counts = [[0] * k for _ in range(tables)]
+    for i, s in enumerate(sym):
+        counts[i % dim if contexts else 0][s] += 1
+    freq = [rans_freq(c, prob_bits) for c in counts]
+    cum = [[sum(f[:s]) for s in range(k)] for f in freq]
+    x = [RANS_L] * lanes
+    steps = -(-n // lanes)
+    chunks: list[list[int]] = [[] for _ in range(steps)]
+    for i in range(n - 1, -1, -1):  # reverse symbol order: lanes of one step in descending order
+        lane, t, ctx = i % lanes, i // lanes, (i % dim if contexts else 0)
+        f, c = freq[ctx][sym[i]], cum[ctx][sym[i]]
+        if x[lane] >= f << (32 - prob_bits):
+            chunks[t].insert(0, x[lane] & 0xFFFF)  # the decoder reads a step's words in ascending lanes
+            x[lane] >>= 16
+        x[lane] = ((x[lane] // f) << prob_bits) + x[lane] % f + c
+    stream = [w for ch in chunks for w in ch]
+    head = struct.pack("<4sBBBBIIQQ", b"rANS", 1, bits, prob_bits, contexts, dim, lanes, n, len(stream))
+    return (head + struct.pack(f"<{tables * k}H", *[v for f in freq for v in f]) + struct.pack(f"<{lanes}I", *x)
+            + struct.pack(f"<{len(stream)}H", *stream))
+
+
+def rans_decode(stored: bytes, raw_length: int) -> bytes:
+    """The reference decoder (valid streams only: the generator checks its own output with it)."""
+    _, ver, bits, pb, contexts, dim, lanes, n, n_words = struct.unpack_from("<4sBBBBIIQQ", stored)
+    k, tables = 1 << bits, (dim if contexts else 1)
+    pos = 32
+    flat = struct.unpack_from(f"<{tables * k}H", stored, pos)
+    freq = [list(flat[t * k:(t + 1) * k]) for t in range(tables)]
+    pos += 2 * tables * k
+    x = list(struct.unpack_from(f"<{lanes}I", stored, pos))
+    pos += 4 * lanes
+    stream = struct.unpack_from(f"<{n_words}H", stored, pos)
+    read, sym = 0, []
+    for i in range(n):  # symbol order = step order, ascending lanes within a step
+        lane, ctx = i % lanes, (i % dim if contexts else 0)
+        slot = x[lane] & ((1 << pb) - 1)
+        s, c = 0, 0
+        while c + freq[ctx][s] <= slot:
+            c += freq[ctx][s]
+            s += 1
+        x[lane] = freq[ctx][s] * (x[lane] >> pb) + slot - c
+        if x[lane] < RANS_L:
+            x[lane] = (x[lane] << 16) | stream[read]
+            read += 1
+        sym.append(s)
+    assert read == n_words and all(v == RANS_L for v in x)
+    words = _rans_pack(sym, bits, dim)
+    assert len(words) * 4 == raw_length
+    return struct.pack(f"<{len(words)}I", *words)
+
+
+def codes_words_skewed(seed: int, n_vectors: int, dim: int, bits: int) -> list[int]:
+    """Packed codes with a skewed, coordinate-dependent distribution (coordinates 0-3 always 0, so
+    some tables have zero frequencies; elsewhere small codes are likelier)."""
+    g = splitmix(seed)
+    codes = []
+    for _ in range(n_vectors):
+        for j in range(dim):
+            r = next(g) >> 56
+            codes.append(0 if j < 4 else min((1 << bits) - 1, (r * r) >> (16 - bits) if j % 2 else r >> (8 - bits)))
+    return _rans_pack(codes, bits, dim)
+
+
+def _as_rans(s: dict, bits: int, dim: int, contexts: int, lanes: int, prob_bits: int) -> dict:
+    stored = rans_encode(s["_data"], bits, dim, contexts, lanes, prob_bits)
+    assert rans_decode(stored, len(s["_data"])) == s["_data"]
+    return dict(s, codec="rans", raw_length=len(s["_data"]), _data=stored)
+
+
+def v_entropy_coded() -> tuple[dict, list[dict]]:
+    """One rvq layer, 2+2 bits, dim 24, 40 tokens: keys.codes1 rans with one table per coordinate and
+    2 * dim lanes; keys.codes2 one table, 7 lanes (the last step partial), precision 2^15; values.codes1
+    one table, one lane; values.codes2 raw."""
+    content, secs = v_decode(24, (2, 2), "conditional", ("float16", "float16"), 16, T=40)
+    by = {s["kind"]: i for i, s in enumerate(secs)}
+    n = 2 * 40
+    for kind, seed in (("keys.codes1", 1601), ("keys.codes2", 1602), ("values.codes1", 1603)):
+        secs[by[kind]] = dict(secs[by[kind]], _data=pack("I", codes_words_skewed(seed, n, 24, 2)))
+    secs[by["keys.codes1"]] = _as_rans(secs[by["keys.codes1"]], 2, 24, 1, 48, 12)
+    secs[by["keys.codes2"]] = _as_rans(secs[by["keys.codes2"]], 2, 24, 0, 7, 15)
+    secs[by["values.codes1"]] = _as_rans(secs[by["values.codes1"]], 2, 24, 0, 1, 12)
+    return content, secs
+
+
+def _rans_edit(edit: Callable[[bytearray], bytes | bytearray]) -> Callable[[], bytes]:
+    """The entropy_coded vector with the stored bytes of keys.codes1 edited (checksum recomputed)."""
+    def build() -> bytes:
+        content, secs = v_entropy_coded()
+        i = next(j for j, s in enumerate(secs) if s["kind"] == "keys.codes1")
+        secs[i] = dict(secs[i], _data=bytes(edit(bytearray(secs[i]["_data"]))))
+        return assemble(content, secs, minor=1, features=["entropy-coded"])
+    return build
+
+
+def _put(b: bytearray, off: int, fmt: str, v: int) -> bytearray:
+    struct.pack_into(fmt, b, off, v)
+    return b
 
 
 def expected_json(data: bytes) -> dict:
@@ -657,6 +799,8 @@ def expected_json(data: bytes) -> dict:
         raw = data[e["offset"]: e["offset"] + e["length"]]
         if e["codec"] == "zstd":
             raw = _decode_handmade_zstd(raw)
+        elif e["codec"] == "rans":
+            raw = rans_decode(raw, e["raw_length"])
         n = e["raw_length"] // struct.calcsize("<" + fmt[e["dtype"]])
         values = list(struct.unpack("<" + fmt[e["dtype"]] * n, raw))
         sections[e["name"]] = {"kind": e["kind"], "layer": e["layer"], "dtype": e["dtype"], "shape": e["shape"],
@@ -983,12 +1127,34 @@ def _invalid() -> list[tuple[str, str, str, str, Callable[[], bytes]]]:
          "quantizer.boundaries1 is [0] (an integer where a float is required)",
          lambda: W(edit_header=lambda h: h["quantizer"].update(boundaries1=[0]))),
         # -- revision 1.1
-        ("entropy_coded_feature.rvq", "UnknownFeatureError", "open",
-         "required_features lists 'entropy-coded' (reserved for the 'rans' section codec, not defined yet)",
-         lambda: W(features=["entropy-coded"])),
-        ("rans_codec.rvq", "MalformedHeaderError", "open",
-         "a section with codec 'rans' (reserved; unknown to this revision)",
-         lambda: W(edit_header=_edit_section(0, codec="rans"))),
+        ("rans_without_feature.rvq", "MalformedHeaderError", "open",
+         "a section with codec 'rans' in a file whose required_features lacks 'entropy-coded'",
+         lambda: assemble(*v_entropy_coded(), minor=1, features=[])),
+        ("rans_not_uint32.rvq", "MalformedHeaderError", "open",
+         "a rans section of dtype int32 (rans holds packed uint32 codes only)",
+         lambda: W(features=["entropy-coded"], minor=1, edit_header=_edit_section(0, codec="rans"))),
+        ("rans_bad_magic.rvq", "MalformedSectionError", "read", "rans stream that does not start with 'rANS'",
+         _rans_edit(lambda b: _put(b, 0, "<4s", b"rANZ"))),
+        ("rans_version.rvq", "MalformedSectionError", "read", "rans stream version 2",
+         _rans_edit(lambda b: _put(b, 4, "<B", 2))),
+        ("rans_prob_bits_16.rvq", "MalformedSectionError", "read", "rans probability precision 16 (limit 15)",
+         _rans_edit(lambda b: _put(b, 6, "<B", 16))),
+        ("rans_lanes_not_multiple.rvq", "MalformedSectionError", "read",
+         "one table per coordinate (contexts 1) with 47 lanes, not a multiple of dim 24",
+         _rans_edit(lambda b: _put(b, 12, "<I", 47))),
+        ("rans_symbol_count.rvq", "MalformedSectionError", "read",
+         "n_symbols one less than raw_length holds (no loop runs past the section's symbols)",
+         _rans_edit(lambda b: _put(b, 16, "<Q", struct.unpack_from("<Q", b, 16)[0] - 1))),
+        ("rans_words_beyond_section.rvq", "MalformedSectionError", "read",
+         "n_words counts one word more than the stored bytes hold",
+         _rans_edit(lambda b: _put(b, 24, "<Q", struct.unpack_from("<Q", b, 24)[0] + 1))),
+        ("rans_freq_sum.rvq", "MalformedSectionError", "read", "a frequency table summing to 2^12 + 1",
+         _rans_edit(lambda b: _put(b, 32 + 2 * 4 * 5, "<H", struct.unpack_from("<H", b, 32 + 2 * 4 * 5)[0] + 1))),
+        ("rans_state_low.rvq", "MalformedSectionError", "read", "a final lane state below 2^16",
+         _rans_edit(lambda b: _put(b, 32 + 2 * 4 * 24 + 4 * 3, "<I", 0xFFFF))),
+        ("rans_corrupt_stream.rvq", "MalformedSectionError", "read",
+         "one word of the stream changed: a lane does not end in its initial state",
+         _rans_edit(lambda b: _put(b, len(b) - 2, "<H", struct.unpack_from("<H", b, len(b) - 2)[0] ^ 0x0101))),
         ("layer_kind_without_feature.rvq", "MalformedHeaderError", "open",
          "an 'arrays' layer in a file whose required_features lacks 'layer-kinds'",
          lambda: assemble(*v_arrays(), minor=1, features=[])),

@@ -40,18 +40,17 @@ FEATURE_ZSTD = "zstd"
 FEATURE_PER_SIDE_GEOMETRY = "per-side-geometry"
 FEATURE_QUANTIZER_TABLE = "quantizer-table"
 FEATURE_LAYER_KINDS = "layer-kinds"
-#: Reserved for issue 11 (section codec "rans"); not implemented, so a file needing it is refused.
+#: Section codec "rans" (entropy-coded code sections, spec 9.3, ``rans.py``).
 FEATURE_ENTROPY_CODED = "entropy-coded"
 #: The features of revision 1.1: a file listing any of them is written as version [1, 1].
-FEATURES_1_1 = (FEATURE_PER_SIDE_GEOMETRY, FEATURE_QUANTIZER_TABLE, FEATURE_LAYER_KINDS)
+FEATURES_1_1 = (FEATURE_PER_SIDE_GEOMETRY, FEATURE_QUANTIZER_TABLE, FEATURE_LAYER_KINDS, FEATURE_ENTROPY_CODED)
 KNOWN_FEATURES = frozenset({FEATURE_ZSTD, *FEATURES_1_1})
 
 CODEC_RAW = "raw"
 CODEC_ZSTD = "zstd"
-CODECS = (CODEC_RAW, CODEC_ZSTD)
-#: Reserved name of the entropy-coded section codec (feature "entropy-coded"); readers of this
-#: version refuse the feature before they ever see a section with this codec.
+#: Entropy-coded packed codes (feature "entropy-coded"): only on uint32 sections, spec 9.3.
 CODEC_RANS = "rans"
+CODECS = (CODEC_RAW, CODEC_ZSTD, CODEC_RANS)
 
 #: Element types: name -> (numpy dtype string used to view the bytes, item size).  "bfloat16" is
 #: viewed as its raw little-endian uint16 bit patterns (numpy has no bfloat16).
@@ -117,8 +116,8 @@ MAX_ARRAYS_SLOTS = 64  # n_arrays of an arrays layer
 MAX_CHILDREN = 64  # children of a list layer
 MAX_QUANTIZERS = MAX_LAYERS * 2  # entries of the quantizers table
 MAX_OFFSET = (1 << 63) - 1  # a rotating layer's absolute token count
-#: A zstd section's raw_length may be at most this many times its stored length.  Bounds what a
-#: reader allocates to MAX_ZSTD_RATIO x the file size.
+#: A zstd (or rans) section's raw_length may be at most this many times its stored length.  Bounds
+#: what a reader allocates to MAX_ZSTD_RATIO x the file size.
 MAX_ZSTD_RATIO = 32
 #: Decoding rvq codes amplifies at most this much per stored byte of codes + scales (1-bit codes
 #: decoded to float32: 32 bits out per bit in).  With zstd on top, a load allocates at most

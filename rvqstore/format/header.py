@@ -44,7 +44,7 @@ class SectionInfo:
     shape: tuple[int, ...]
     offset: int
     length: int  # stored bytes in the file
-    codec: str  # "raw" or "zstd"
+    codec: str  # "raw", "zstd" or "rans"
     raw_length: int  # bytes after decoding = prod(shape) * itemsize
     checksum: int  # XXH3-64 of the stored bytes
 
@@ -472,6 +472,8 @@ def parse_header(
     # H7: container-wide rules that join several keys
     if any(s.codec == C.CODEC_ZSTD for s in sections) and C.FEATURE_ZSTD not in feats:
         raise MalformedHeaderError(path, "a section uses codec 'zstd' but required_features lacks 'zstd'")
+    if any(s.codec == C.CODEC_RANS for s in sections) and C.FEATURE_ENTROPY_CODED not in feats:
+        raise MalformedHeaderError(path, "a section uses codec 'rans' but required_features lacks 'entropy-coded'")
 
     # H8: the quantizers' own rules
     table: "dict | tuple[dict, ...] | None" = quantizer if quantizers is None else quantizers
@@ -508,7 +510,7 @@ def _parse_section(path, i: int, row: Any) -> SectionInfo:
     length = _int(path, f"{w}: length", _need(path, w, row, "length"), 0, C.MAX_FILE_LENGTH)
     codec = _str(path, f"{w}: codec", _need(path, w, row, "codec"))
     if codec not in C.CODECS:
-        raise MalformedHeaderError(path, f"{w}: unknown codec {codec!r} (known: raw, zstd)")
+        raise MalformedHeaderError(path, f"{w}: unknown codec {codec!r} (known: raw, zstd, rans)")
     raw_length = _int(path, f"{w}: raw_length", _need(path, w, row, "raw_length"), 0, C.MAX_FILE_LENGTH)
     cks = _int(path, f"{w}: checksum", _need(path, w, row, "checksum"), 0, C.MAX_U64, limit_hi=False)
 
@@ -523,11 +525,13 @@ def _parse_section(path, i: int, row: Any) -> SectionInfo:
         if length != raw_length:
             raise MalformedHeaderError(path, f"{w}: raw section stores {length} bytes but declares {raw_length}")
     else:
+        if codec == C.CODEC_RANS and dtype != "uint32":
+            raise MalformedHeaderError(path, f"{w}: a rans section must have dtype uint32 (packed codes), not {dtype}")
         if length == 0:
-            raise MalformedHeaderError(path, f"{w}: a zstd section cannot be empty")
+            raise MalformedHeaderError(path, f"{w}: a {codec} section cannot be empty")
         if raw_length > C.MAX_ZSTD_RATIO * length:
             raise LimitExceededError(
-                path, f"{w}: zstd section claims {raw_length} bytes from {length} stored bytes "
+                path, f"{w}: {codec} section claims {raw_length} bytes from {length} stored bytes "
                       f"(more than {C.MAX_ZSTD_RATIO}x)")
     return SectionInfo(name, layer, kind, dtype, shape, offset, length, codec, raw_length, cks)
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import constants as C
+from . import rans
 from .checksum import checksum
 from .errors import (
     ChecksumMismatchError,
@@ -204,7 +205,11 @@ class RVQFile:
                 return arr
             arr = np.frombuffer(stored, dtype=dt, count=s.n_elements).reshape(s.shape)
             return arr
-        data = _zstd_decode(stored, s, self.path)
+        if s.codec == C.CODEC_RANS:
+            data = rans.decode(stored, s.raw_length, f"section {s.name!r}", self.path)
+            data.flags.writeable = False  # like every other section: read-only
+        else:
+            data = _zstd_decode(stored, s, self.path)
         stored.release()
         arr = np.frombuffer(data, dtype=dt, count=s.n_elements).reshape(s.shape)
         return arr

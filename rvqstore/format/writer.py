@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from . import constants as C
+from . import rans
 from .checksum import checksum
 from .errors import LimitExceededError, MalformedHeaderError, NotRegularFileError
 from .header import Header, canonicalize, decode_header, encode_header, parse_header
@@ -32,6 +33,10 @@ CONTAINER_KEYS = ("format_version", "required_features", "sections")
 #: 2-bit stage-1 codes save ~9 %, stage-2 codes ~3.5 %, bfloat16 scales 40-48 %, int32 tokens ~66 %,
 #: fp16 dense keys/values 7-15 %; zstd level 3 decodes packed codes at 1.2-8 GB/s.
 AUTO_MIN_SAVING = 0.02
+#: ``compress``: "auto" (zstd where it saves >= 2 %), "zstd", "none"/"raw", "rans" (code sections
+#: entropy-coded where that shrinks them, every other section as "auto"), "best" (each section the
+#: smallest of raw, zstd and, for code sections, rans).
+COMPRESS_MODES = ("auto", "zstd", "none", "raw", "rans", "best")
 ZSTD_LEVEL = 3
 
 _NP_NAMES = {(np.dtype(v[0]).kind, v[1]): k for k, v in C.DTYPES.items() if k != "bfloat16"}
@@ -94,14 +99,39 @@ def _zstd_frame(data: memoryview, level: int) -> bytes:
     return cctx.compress(data)
 
 
-def _choose(sec: Section, raw: memoryview, compress: str, level: int, path) -> tuple[str, Any]:
-    """(codec, stored bytes) for one section."""
+def _rans_stream(raw: memoryview, geometry: "tuple[int, int] | None") -> bytes | None:
+    """rans stored bytes of a code section, or None when it has no code geometry, is not canonical
+    packed codes, does not shrink, or would exceed the reader's expansion bound."""
+    if geometry is None:
+        return None
+    stored = rans.encode(raw, *geometry, contexts=1)
+    if stored is None or len(stored) >= len(raw) or len(raw) > C.MAX_ZSTD_RATIO * len(stored):
+        return None
+    return stored
+
+
+def _choose(sec: Section, raw: memoryview, compress: str, level: int, path,
+            geometry: "tuple[int, int] | None" = None) -> tuple[str, Any]:
+    """(codec, stored bytes) for one section; ``geometry`` = (bits, dim) of a code section."""
     mode = sec.codec or compress
     if mode in ("raw", "none") or len(raw) == 0:
         return C.CODEC_RAW, raw
-    if mode not in ("auto", "zstd"):
-        raise ValueError(f"compress must be 'auto', 'zstd' or 'none', got {mode!r}")
+    if mode not in COMPRESS_MODES:
+        raise ValueError(f"compress must be one of {', '.join(map(repr, COMPRESS_MODES))}, got {mode!r}")
+    coded = _rans_stream(raw, geometry) if mode in ("rans", "best") else None
+    if mode == "rans" and coded is not None:
+        return C.CODEC_RANS, coded
     frame = _zstd_frame(raw, level)
+    if mode == "best":
+        options = [(len(raw), C.CODEC_RAW, raw)]
+        if len(raw) <= C.MAX_ZSTD_RATIO * len(frame):
+            options.append((len(frame), C.CODEC_ZSTD, frame))
+        if coded is not None:
+            options.append((len(coded), C.CODEC_RANS, coded))
+        _, codec, stored = min(options, key=lambda o: o[0])
+        return codec, stored
+    if mode == "rans":
+        mode = "auto"  # not a code section, or rans does not shrink it
     if len(raw) > C.MAX_ZSTD_RATIO * len(frame):  # too compressible for a reader's allocation bound
         return C.CODEC_RAW, raw
     if mode == "auto" and len(frame) > (1.0 - AUTO_MIN_SAVING) * len(raw):
@@ -191,8 +221,10 @@ def write_rvq(
     ``metadata``, and any extension keys); the writer adds ``format_version``,
     ``required_features`` and ``sections``.  ``sections`` may be a generator: each array is written
     (and may be freed) before the next is pulled.  ``compress``: ``"auto"`` (zstd where it saves at
-    least 2 %), ``"zstd"`` (zstd wherever it saves anything) or ``"none"`` (every section raw, so
-    every section loads zero-copy).  ``progress(done, total)`` is called after each section (total is None for an
+    least 2 %), ``"zstd"`` (zstd wherever it saves anything), ``"none"`` (every section raw, so
+    every section loads zero-copy), ``"rans"`` (packed code sections entropy-coded where that shrinks
+    them, the rest as ``"auto"``) or ``"best"`` (each section the smallest of raw/zstd/rans).  A file
+    with a rans section lists ``entropy-coded`` and is version [1, 1].  ``progress(done, total)`` is called after each section (total is None for an
     unsized iterable).  The file is validated by the reader's own rules before it is renamed into
     place, so a file this function writes always opens.
 
@@ -210,8 +242,8 @@ def write_rvq(
     path = os.fspath(path)
     if mode is not None and (type(mode) is not int or not 0 <= mode <= 0o7777):
         raise ValueError(f"mode must be an int in 0..0o7777, got {mode!r}")
-    if compress not in ("auto", "zstd", "none", "raw"):
-        raise ValueError(f"compress must be 'auto', 'zstd' or 'none', got {compress!r}")
+    if compress not in COMPRESS_MODES:
+        raise ValueError(f"compress must be one of {', '.join(map(repr, COMPRESS_MODES))}, got {compress!r}")
     bad = [k for k in CONTAINER_KEYS if k in header]
     if bad:
         raise MalformedHeaderError(path, f"header keys {bad} are written by the writer, not the caller")
@@ -235,7 +267,9 @@ def write_rvq(
                 raise LimitExceededError(path, f"more than {C.MAX_SECTIONS} sections")
             arr, dtype = _to_numpy(sec, path)
             raw = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
-            codec, stored = _choose(sec, raw, compress, zstd_level, path)
+            codec, stored = _choose(sec, raw, compress, zstd_level, path,
+                                    _code_geometry(content, sec, dtype) if compress in ("rans", "best")
+                                    or sec.codec in ("rans", "best") else None)
             off = C.align_up(pos)
             if off > pos:
                 _write_all(fd, bytes(off - pos))
@@ -250,6 +284,8 @@ def write_rvq(
             if progress is not None:
                 progress(i + 1, total)
 
+        if any(r["codec"] == C.CODEC_RANS for r in rows):
+            feats_11 = [f for f in C.FEATURES_1_1 if f in feats_11 or f == C.FEATURE_ENTROPY_CODED]
         feats = ([C.FEATURE_ZSTD] if any(r["codec"] == C.CODEC_ZSTD for r in rows) else []) + feats_11
         minor = C.FORMAT_MINOR if feats_11 else C.FORMAT_MINOR_BASE
         full = dict(content)
@@ -319,3 +355,28 @@ def _normalize_features(content: dict) -> tuple[dict, list[str]]:
     if "quantizers" in content:
         used.add(C.FEATURE_QUANTIZER_TABLE)
     return content, [f for f in C.FEATURES_1_1 if f in used]
+
+
+def _code_geometry(content: dict, sec: Section, dtype: str) -> "tuple[int, int] | None":
+    """(bits, dim) of a packed code section (``[c<j>.]keys|values.codes1|2`` of an rvq-coded layer),
+    read from the header the file will carry; None for any other section or a header that does not say."""
+    parts = sec.kind.split(".")
+    if dtype != "uint32" or len(parts) not in (2, 3):
+        return None
+    try:
+        layer = content["layers"][sec.layer]
+        if len(parts) == 3:
+            if not parts[0].startswith("c"):
+                return None
+            layer = layer["children"][int(parts[0][1:])]
+        side, stage = parts[-2], parts[-1]
+        if side not in ("keys", "values") or stage not in ("codes1", "codes2"):
+            return None
+        ref = layer.get("key_quantizer" if side == "keys" else "value_quantizer")
+        q = content["quantizers"][ref] if ref is not None else content["quantizer"]
+        bits, dim = q["bits1" if stage == "codes1" else "bits2"], q["dim"]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    if type(bits) is not int or type(dim) is not int or not 1 <= bits <= 4 or not 1 <= dim <= rans.MAX_DIM:
+        return None
+    return bits, dim
