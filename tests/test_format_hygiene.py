@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import signal
 import time
 from pathlib import Path
 
@@ -159,14 +160,22 @@ def test_stale_temps_of_killed_writers_are_swept_live_ones_kept(tmp_path):
 def test_fifo_is_refused_without_blocking(tmp_path):
     fifo = tmp_path / "pipe.rvq"
     os.mkfifo(fifo)
-    t = time.monotonic()
-    with pytest.raises(F.errors.NotRegularFileError, match="FIFO"):
-        F.open_rvq(fifo)
-    with pytest.raises(F.errors.NotRegularFileError):
-        rvqstore.load_prompt_cache(fifo)
-    with pytest.raises(F.errors.NotRegularFileError, match="directory"):
-        F.open_rvq(tmp_path)
-    assert time.monotonic() - t < 5
+
+    def hung(*_):  # a blocking open never returns: turn that into a failure instead of a hung suite
+        raise AssertionError("opening a FIFO blocked")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    try:
+        with pytest.raises(F.errors.NotRegularFileError, match="FIFO"):
+            F.open_rvq(fifo)
+        with pytest.raises(F.errors.NotRegularFileError):
+            rvqstore.load_prompt_cache(fifo)
+        with pytest.raises(F.errors.NotRegularFileError, match="directory"):
+            F.open_rvq(tmp_path)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_inspect_refuses_a_fifo(tmp_path):
@@ -191,10 +200,9 @@ def test_a_16_mib_header_of_empty_arrays_is_refused_cheaply():
     filler = [[[]] * 65535] * 255
     data = _file_with_header(dict(base, junk=filler))
     assert C.MAX_HEADER_LENGTH - 2**16 < len(data) - 64 <= C.MAX_HEADER_LENGTH
-    t = time.monotonic()
+    # refused at 2^21 decoded objects (about 1 s; the cost is in tools/results/format-bounds-cpu.txt)
     with pytest.raises(F.LimitExceededError, match="msgpack objects"):
         F.open_rvq(data)
-    assert time.monotonic() - t < 10  # bounded at 2^21 objects (about 1 s here)
     # one array longer than any the schema allows is refused before it is built
     with pytest.raises(F.LimitExceededError, match="longer than 65536"):
         decode_header(msgpack.packb({"a": [0] * 65537}))
