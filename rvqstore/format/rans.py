@@ -47,6 +47,10 @@ MAX_DIM = 1 << 16
 #: Writer defaults (informative): precision and the number of decode steps a section aims for.
 WRITER_PROB_BITS = 12
 TARGET_STEPS = 2048
+#: The decoder's slot -> symbol table has T * 2^P entries; it is built only up to this size (else the
+#: decoder searches the cumulative tables), so a hostile header cannot make it large.
+LUT_ENTRIES_PER_RAW_BYTE = 4
+LUT_MIN_ENTRIES = 1 << 16
 #: Decoded symbols held before they are packed into the output (bounds the decoder's working memory).
 SYMBOL_BLOCK = 1 << 20
 
@@ -211,7 +215,7 @@ def decode(stored: bytes | memoryview, raw_length: int, where: str = "section", 
     cum = np.concatenate([np.zeros((T, 1), np.int64), np.cumsum(freq, axis=1)], axis=1)
     lane_ctx = (np.arange(lanes, dtype=np.int64) % dim) if contexts else np.zeros(lanes, np.int64)
     M = 1 << pbits
-    if T * M <= max(4 * raw_length, 1 << 16):
+    if T * M <= max(LUT_ENTRIES_PER_RAW_BYTE * raw_length, LUT_MIN_ENTRIES):
         sym_of_slot = np.repeat(np.tile(np.arange(k, dtype=np.int64), T), freq.reshape(-1)).reshape(T, M)
         slots = np.arange(M, dtype=np.int64)
         ctx_rows = np.arange(T)[:, None]
