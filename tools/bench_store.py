@@ -44,7 +44,7 @@ import rvqstore  # noqa: E402
 from rvqstore.generation import prefill  # noqa: E402
 from rvqstore.model import load_model  # noqa: E402
 from rvqstore.prompt_cache import _fingerprint  # noqa: E402
-from rvqstore.store import PrefixStore, scan  # noqa: E402
+from rvqstore.store import DEFAULT_BLOCK_SIZE, PrefixStore, scan  # noqa: E402
 from rvqstore.store.keys import chain_keys  # noqa: E402
 
 TEXT = ROOT / "rvqstore" / "data" / "python_docs_excerpt.txt"
@@ -101,9 +101,10 @@ class Bench:
 
     def store(self, where: str, **kw):
         if where == "local":
-            return PrefixStore(str(self.work / "local"), fingerprint=self.fp, n_layers=self.n_layers, **kw)
+            return PrefixStore(str(self.work / "local"), fingerprint=self.fp, n_layers=self.n_layers,
+                               block_size=self.a.block_size, **kw)
         return PrefixStore(self.s3_url, fingerprint=self.fp, n_layers=self.n_layers, endpoint=self.endpoint,
-                           access_key_id="test", secret_access_key="test", **kw)
+                           access_key_id="test", secret_access_key="test", block_size=self.a.block_size, **kw)
 
     def kv(self, toks):
         c = [lm.KVCache() for _ in range(self.n_layers)]
@@ -159,35 +160,44 @@ class Bench:
 
     # ---- 2. bytes for N prompts sharing a system prompt -------------------------------------------------------
     def sharing(self):
-        S, own, N = self.a.system, self.a.own, self.a.prompts
+        S, own, N, bsz = self.a.system, self.a.own, self.a.prompts, self.a.batch
         system = self.ids[:S]
         other = [t for p in OTHER for t in self.tok.encode(p.read_text(encoding="utf-8"))]
         sys_cache, _ = self.kv(system)
         mx.eval([c.keys for c in sys_cache])
         d = self.work / "shared"
-        st = PrefixStore(str(d), fingerprint=self.fp, n_layers=self.n_layers)
+        st = PrefixStore(str(d), fingerprint=self.fp, n_layers=self.n_layers, block_size=self.a.block_size)
         file_sizes = []
         t_put = 0.0
-        for i in range(N):
-            mine = [other[(i * own * 7 + j) % len(other)] for j in range(own)]
-            cache = []
+        owns = [[other[(i * own * 7 + j) % len(other)] for j in range(own)] for i in range(N)]
+        for b0 in range(0, N, bsz):  # the prompts' own tokens run batched over the shared system cache
+            group = owns[b0:b0 + bsz]
+            batch = []
             for c in sys_cache:
                 n = lm.KVCache()
-                n.state = (c.keys[:, :, :S], c.values[:, :, :S], S)
-                cache.append(n)
-            prefill(self.model, mine, cache)
-            t0 = time.perf_counter()
-            st.put(system + mine, cache)
-            t_put += time.perf_counter() - t0
-            if i < 3:  # one file per prompt: measured for 3 prompts (all have the same length)
-                f = self.work / f"p{i}.rvq"
-                file_sizes.append(rvqstore.save_prompt_cache(f, cache, tokens=system + mine, model=self.model,
-                                                             tokenizer=self.tok))
+                n.state = (mx.repeat(c.keys[:, :, :S], len(group), axis=0),
+                           mx.repeat(c.values[:, :, :S], len(group), axis=0), S)
+                batch.append(n)
+            mx.eval(self.model(mx.array(group), cache=batch))
+            for i, mine in enumerate(group):
+                cache = []
+                for c in batch:
+                    n = lm.KVCache()
+                    n.state = (c.keys[i:i + 1, :, :S + own], c.values[i:i + 1, :, :S + own], S + own)
+                    cache.append(n)
+                t0 = time.perf_counter()
+                st.put(system + mine, cache)
+                t_put += time.perf_counter() - t0
+                if b0 + i < 1:  # one file per prompt: every prompt has the same length, one is measured
+                    f = self.work / f"p{i}.rvq"
+                    file_sizes.append(rvqstore.save_prompt_cache(f, cache, tokens=system + mine, model=self.model,
+                                                                 tokenizer=self.tok))
+            print(f"sharing: {b0 + len(group)} prompts stored", flush=True)
         idx = scan(st.backend)
         per_token = statistics.mean(file_sizes) / (S + own)
         unique_tokens = S + N * own
-        return {"system_tokens": S, "own_tokens": own, "prompts": N, "block_bytes": idx.block_bytes,
-                "store_bytes": idx.total_bytes, "blocks": len(idx.blocks),
+        return {"system_tokens": S, "own_tokens": own, "prompts": N, "block_size": self.a.block_size,
+                "block_bytes": idx.block_bytes, "store_bytes": idx.total_bytes, "blocks": len(idx.blocks),
                 "one_file_per_prompt_bytes": statistics.mean(file_sizes) * N, "file_bytes": file_sizes,
                 "unique_tokens": unique_tokens, "unique_bytes": per_token * unique_tokens,
                 "ratio_vs_unique": idx.total_bytes / (per_token * unique_tokens),
@@ -219,7 +229,8 @@ class Bench:
 
 def markdown(res) -> str:
     lines = ["# Prefix store on SmolLM2-135M (CPU)", "",
-             f"`tools/bench_store.py`; {res['machine']}; OpenBLAS: {res['fast_blas']}; 4+2 bits, 64-token blocks.", ""]
+             f"`tools/bench_store.py`; {res['machine']}; OpenBLAS: {res['fast_blas']}; 4+2 bits, "
+             f"{res['args']['block_size']}-token blocks.", ""]
     if "ttft" in res:
         lines += markdown_ttft(res["ttft"])
     if "sharing" in res:
@@ -276,6 +287,8 @@ def main():
     ap.add_argument("--own", type=int, default=200)
     ap.add_argument("--prompts", type=int, default=100)
     ap.add_argument("--share", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=10, help="prompts whose own tokens run through the model together")
+    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     ap.add_argument("--md", default="tools/results/store-cpu.md")
     ap.add_argument("--json", default="tools/results/store-cpu.json")
     ap.add_argument("--parts", default="ttft,partial,sharing", help="which measurements (comma-separated)")

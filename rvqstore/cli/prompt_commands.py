@@ -56,7 +56,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--store", metavar="URL",
                      help="a prefix store (directory or s3://bucket/prefix): the text is the whole prompt; its longest "
                           "stored prefix is reused, the rest computed, and the new blocks stored")
-    p.add_argument("--block-size", type=int, default=None, help="with --store: tokens per block (default 64)")
+    p.add_argument("--block-size", type=int, default=None, help="with --store: tokens per block (default 256)")
     p.add_argument("--bits", type=parse_bits, default=None, help="with --store: codec bits of the stored blocks (default 4+2)")
     p.add_argument("--prompt", default=None, help="text to append after the cached prompt")
     p.add_argument("--prompt-file", default=None, help="file holding that text ('-' for stdin)")

@@ -14,7 +14,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                 "see `mlx_lm.server --help`). Without --model the bundled SmolLM2-135M-Instruct is served.")
     p.add_argument("--store", required=True, metavar="URL", help="a directory or s3://bucket/prefix")
     p.add_argument("--store-bits", type=parse_bits, default=None, help="codec bits of stored blocks (default 4+2)")
-    p.add_argument("--store-block-size", type=int, default=None, help="tokens per stored block (default 64)")
+    p.add_argument("--store-block-size", type=int, default=None, help="tokens per stored block (default 256)")
     p.add_argument("--store-max-bytes", type=parse_size, default=None,
                    help="keep the store within this many bytes (LRU gc as it grows), e.g. 20G")
 
