@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 import sys
 from pathlib import Path
 
@@ -277,7 +278,26 @@ def test_spec_limits_table_matches_constants():
     assert rows["`batch`, `n_kv_heads`, `head_dim`"] == "65536" == str(C.MAX_BATCH) == str(C.MAX_HEADS) == str(C.MAX_HEAD_DIM)
     assert rows["`n_tokens` (file and layer)"] == "2^31 - 1" and C.MAX_TOKENS == (1 << 31) - 1
     assert rows["header nesting depth"] == str(C.MAX_DEPTH)
-    assert rows["zstd expansion (`raw_length / length`)"] == str(C.MAX_ZSTD_RATIO)
+    assert rows["zstd and rans expansion (`raw_length / length`)"] == str(C.MAX_ZSTD_RATIO)
+    from rvqstore.format import rans
+
+    assert rows["rans `lanes`, rans `dim`"] == "65536" == str(rans.MAX_LANES) == str(rans.MAX_DIM)
+
+
+def test_spec_rans_example_is_what_the_coders_produce():
+    """The worked example of spec 9.3: both coders give its 48 bytes, and they decode to its codes."""
+    from rvqstore.format import rans
+
+    text = _spec()
+    sec = text[text.index("### 9.3 `rans`"): text.index("## 10.")]
+    block = sec[sec.index("```text") + 7: sec.index("```", sec.index("```text") + 7)]
+    rows = [ln for ln in block.strip().splitlines()]
+    hexed = "".join(rows[0].split()) + "".join(rows[2].split()[:4]) + "".join(rows[3].split()[:2])
+    raw = struct.pack("<2I", 0x94, 0xC5)
+    assert MV._rans_unpack([0x94, 0xC5], 2, 4) == [0, 1, 1, 2, 1, 1, 0, 3]
+    stored = rans.encode(raw, 2, 4, contexts=0, lanes=2, prob_bits=12)
+    assert stored.hex() == hexed and stored == MV.rans_encode(raw, 2, 4, 0, 2, 12)
+    assert rans.decode(bytes.fromhex(hexed), 8).tobytes() == raw
 
 
 def test_spec_preamble_table_matches_struct():
