@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import threading
 import weakref
 
@@ -41,7 +40,8 @@ TARGET_GROUPS = 528
 
 _lock = threading.Lock()
 _kernels: dict = {}
-_disabled: dict = {}
+_disabled: dict = {}  # dialect -> why the kernel was switched off
+_verified: set = set()  # kernel builds (dialect, shapes, bits, dtype) that ran once
 
 
 def sources(dialect: str, name: str = "attend") -> tuple[str, str]:
@@ -266,19 +266,17 @@ def attend(view: CodesView, queries: mx.array, scale: float, mask, sinks) -> mx.
             q_rot = ops.rotate_queries(view, queries, scale).reshape(b, view.n_kv_heads, rows, dk)
             o, ml = launch(view, q_rot, l, causal, dialect)
             out = None
-        if dialect not in _verified:
-            mx.eval(o, ml) if out is None else mx.eval(out)  # first use: failures surface here, can fall back
+        config = (dialect, fast, rows, dk, dv, view.key_codec.bits, view.key_codec.residual, queries.dtype)
+        if config not in _verified:  # first use of this build: failures surface here, where we can fall back
+            mx.eval(o, ml) if out is None else mx.eval(out)
             with _lock:
-                _verified.add(dialect)
+                _verified.add(config)
     except Exception as err:  # a kernel that cannot build or run: latch off, say so once
         with _lock:
             _disabled[dialect] = f"{type(err).__name__}: {err}"
         log.warning("attention kernel (%s) switched off; using the MLX-ops formulation: %s", dialect, err)
         return None
     return out if out is not None else combine(view, queries, scale, o, ml, mask, sinks)
-
-
-_verified: set = set()
 
 
 def disabled() -> dict:
