@@ -36,6 +36,40 @@ def read_all(path: str) -> float:
     return time.perf_counter() - t
 
 
+def section_scaling(path: str, repeats: int) -> list[dict]:
+    """Decode speed against section size: the keys.codes1 sections of 1, 4 and 16 consecutive layers
+    (real codes, one distribution per layer) concatenated into one section, raw vs zstd vs rans."""
+    import numpy as np
+    import zstandard
+
+    from rvqstore.format import open_rvq, rans
+
+    with open_rvq(path) as f:
+        q = f.quantizer_for(0, "keys")
+        parts = [f.read_section(f"layers.{i}.keys.codes1").reshape(-1) for i in range(len(f.layers))]
+    out = []
+    for n_layers in (1, 4, 16):
+        raw = np.concatenate(parts[:n_layers]).tobytes()
+        stored = min((rans.encode(raw, q["bits1"], q["dim"], contexts=c) for c in (1, 0)), key=len)
+        frame = zstandard.ZstdCompressor(level=3).compress(raw)
+        dctx = zstandard.ZstdDecompressor()
+        t_r, t_z = [], []
+        for _ in range(repeats):  # interleaved
+            t = time.perf_counter()
+            assert rans.decode(stored, len(raw)).tobytes() == raw
+            t_r.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            dctx.decompress(frame)
+            t_z.append(time.perf_counter() - t)
+        lanes = int.from_bytes(stored[12:16], "little")
+        row = {"layers": n_layers, "raw_bytes": len(raw), "zstd_bytes": len(frame), "rans_bytes": len(stored),
+               "lanes": lanes, "steps": -(-(len(raw) // 4 // -(-q["dim"] // (32 // q["bits1"])) * q["dim"]) // lanes),
+               "rans_MBps": len(raw) / 1e6 / statistics.median(t_r), "zstd_MBps": len(raw) / 1e6 / statistics.median(t_z)}
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
 def main(argv=None) -> int:
     from rvqstore.blas import maybe_reexec_with_openblas
 
@@ -57,7 +91,7 @@ def main(argv=None) -> int:
 
     model, tok = load_model()
     texts = {t.name: t for t in DEFAULT_TEXTS}
-    rows = []
+    rows, scaling = [], []
     tmp = tempfile.mkdtemp(prefix="bench_entropy_files_")
     for name in args.texts:
         ids = load_tokens(tok, texts[name], args.tokens)
@@ -89,12 +123,15 @@ def main(argv=None) -> int:
                        "write_s": write_s[m], "sections": codecs, "rans_raw_bytes": rans_raw}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if name == args.texts[0] and bits == (2, 2):
+                scaling = section_scaling(paths["none"], args.repeats)
             for p in paths.values():
                 os.unlink(p)
     out = Path(args.out)
     meta = {"tokens": args.tokens, "texts": args.texts, "repeats": args.repeats,
             "load_average": os.getloadavg(), "cpu_count": os.cpu_count()}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "section_scaling": scaling},
+                                                   indent=1) + "\n")
     lines = [f"# Entropy-coded .rvq files: SmolLM2-135M, {args.tokens} tokens per text, all 30 layers",
              "",
              "Bits per coordinate on disk count the whole file (codes, bfloat16 scales, token ids, header).",
@@ -113,6 +150,14 @@ def main(argv=None) -> int:
         lines.append(f"| {r['text']} | {r['bits']} | {r['mode']} | {r['bits_per_coord']:.3f} | "
                      f"{r['file_bytes'] / b['file_bytes']:.3f} | {1000 * r['load_s']:.0f} | "
                      f"{r['load_s'] / b['load_s']:.0f}x | {speed} | {r['write_s']:.1f} |")
+    lines += ["", f"Decode speed against section size ({args.texts[0]}, 2+2, stage-1 key codes of 1, 4, 16 layers in one "
+              "section; median of the interleaved repeats):", "",
+              "| layers | raw bytes | zstd bytes | rans bytes | rans vs zstd | lanes | steps | rans MB/s | zstd MB/s |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in scaling:
+        lines.append(f"| {r['layers']} | {r['raw_bytes']:,} | {r['zstd_bytes']:,} | {r['rans_bytes']:,} | "
+                     f"{r['rans_bytes'] / r['zstd_bytes']:.3f} | {r['lanes']} | {r['steps']} | "
+                     f"{r['rans_MBps']:.1f} | {r['zstd_MBps']:.0f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out}.md/.json")
     return 0

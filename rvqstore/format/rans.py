@@ -47,10 +47,10 @@ MAX_DIM = 1 << 16
 #: Writer defaults (informative): precision and the number of decode steps a section aims for.
 WRITER_PROB_BITS = 12
 TARGET_STEPS = 2048
-#: The decoder's slot -> symbol table has T * 2^P entries; it is built only up to this size (else the
-#: decoder searches the cumulative tables), so a hostile header cannot make it large.
-LUT_ENTRIES_PER_RAW_BYTE = 4
-LUT_MIN_ENTRIES = 1 << 16
+#: The decoder's slot -> symbol table has T * 2^P entries (8 bytes each); it is built only up to this
+#: many (8 MiB; real sections: dim 64 x 2^12 = 2 MiB), else the decoder searches the cumulative tables,
+#: so a hostile header cannot make it large.
+LUT_MAX_ENTRIES = 1 << 20
 #: Decoded symbols held before they are packed into the output (bounds the decoder's working memory).
 SYMBOL_BLOCK = 1 << 20
 
@@ -166,7 +166,8 @@ def encode(raw: bytes | memoryview, bits: int, dim: int, *, contexts: int = 1,
 def decode(stored: bytes | memoryview, raw_length: int, where: str = "section", path=None) -> np.ndarray:
     """The raw bytes (packed uint32 code words) of a ``rans`` section; MalformedSectionError for any
     malformed input.  Allocates ``raw_length`` bytes for the output and working memory bounded by
-    the stored length and SYMBOL_BLOCK; runs exactly ceil(n_symbols / lanes) steps."""
+    the stored length and constants (SYMBOL_BLOCK symbols, LUT_MAX_ENTRIES table entries); runs
+    exactly ceil(n_symbols / lanes) steps."""
 
     def bad(msg: str) -> MalformedSectionError:
         return MalformedSectionError(path, f"{where}: rans: {msg}")
@@ -210,12 +211,10 @@ def decode(stored: bytes | memoryview, raw_length: int, where: str = "section", 
     stream = np.frombuffer(buf, "<u2", n_words, pos).astype(np.uint64)
 
     # One lookup per lane and step: slot -> symbol | freq << 8 | (slot - cum) << 24 (slot - cum < 2^P).
-    # The table has T * 2^P entries; a hostile header can ask for more than the section is worth, so
-    # beyond 4 * raw_length entries the decoder searches the cumulative table instead.
     cum = np.concatenate([np.zeros((T, 1), np.int64), np.cumsum(freq, axis=1)], axis=1)
     lane_ctx = (np.arange(lanes, dtype=np.int64) % dim) if contexts else np.zeros(lanes, np.int64)
     M = 1 << pbits
-    if T * M <= max(LUT_ENTRIES_PER_RAW_BYTE * raw_length, LUT_MIN_ENTRIES):
+    if T * M <= LUT_MAX_ENTRIES:
         sym_of_slot = np.repeat(np.tile(np.arange(k, dtype=np.int64), T), freq.reshape(-1)).reshape(T, M)
         slots = np.arange(M, dtype=np.int64)
         ctx_rows = np.arange(T)[:, None]
