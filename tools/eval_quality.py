@@ -103,6 +103,8 @@ def merge(parts: Sequence[dict]) -> dict:
             raise SystemExit("--from-json files differ in texts, length or model")
         res["rows"] = res["rows"] + p["rows"]
         res["protocols"] = list(dict.fromkeys(res["protocols"] + p["protocols"]))
+        if "stream" in p["protocols"]:  # the chunk only describes the stream protocol
+            res["chunk"] = p["chunk"]
         res["argv"] = res.get("argv", "") + "\n" + p.get("argv", "")
     return res
 
