@@ -146,7 +146,8 @@ def render(res: dict) -> str:
                 "K / V err = E‖x−x̂‖²/‖x‖² over every cached vector.", ""] + table(res, proto) + [""]
     out += ["## How to reproduce", "", "```", "python tools/probe_sensitivity.py --tokens 512 --text prose=tools/texts/prose-genesis-joseph.txt "
             "--out tools/results/quality-sensitivity-smollm2.json",
-            *(f"python tools/eval_quality.py {a}" for a in res.get("argv", "").split("\n")), "```", ""]
+            *(res.get("recipe") or [f"python tools/eval_quality.py {a}" for a in res.get("argv", "").split("\n")]),
+            "```", ""]
     return "\n".join(out)
 
 
