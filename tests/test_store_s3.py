@@ -173,7 +173,7 @@ def test_an_oversized_object_under_a_block_name_is_never_downloaded(endpoint, mo
     st = store(url, endpoint, model)
     key = chain_keys_of(st, toks)[0]
     s3 = s3_client(endpoint)
-    s3.put_object(Bucket="rvq-test", Key=f"{url.split('/', 3)[3]}/{block_path(st.ns, st.ns, key, BLOCK)}",
+    s3.put_object(Bucket="rvq-test", Key=f"{url.split('/', 3)[3]}/{block_path(st.ns, st.ns, key, BLOCK, toks[0])}",
                   Body=b"\0" * 300_000)
     monkeypatch.setattr(ps, "MAX_BYTES_PER_TOKEN", 1000)
     monkeypatch.setattr(ps, "MAX_HEADER_BYTES", 100_000)

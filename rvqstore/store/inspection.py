@@ -99,8 +99,8 @@ def _check_block(backend: Backend, b, decode: bool) -> str | None:
                 return "header names another block"
             if toks is None or len(toks) != b.name.n_tokens:
                 return "token ids missing or of the wrong count"
-            if block_key(b.name.parent, np.asarray(toks)) != b.name.key:
-                return "key does not match parent and token ids"
+            if block_key(b.name.parent, np.asarray(toks)) != b.name.key or int(toks[0]) != b.name.first:
+                return "name does not match parent and token ids"
     except FileNotFoundError:
         return None
     except (RVQError, ValueError) as e:

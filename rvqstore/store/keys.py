@@ -8,7 +8,10 @@ can be computed from the tokens alone, before anything is read.
 Object layout under the store root::
 
     <ns>/namespace.json                  what the namespace is (model fingerprint, codec, block size)
-    <ns>/blocks/<parent>/<key>.<n>.rvq   one block of n tokens (n <= block size) whose parent is <parent>
+    <ns>/blocks/<parent>/<key>.<n>.<t>.rvq   one block of n tokens (n <= block size) whose parent is
+                                         <parent> and whose first token id is t (a lookup that
+                                         leaves the stored blocks midway reads only the token ids of
+                                         the children that start with its next token)
     <ns>/used/<key>                      empty marker, written when a block ends a lookup (LRU on S3)
 
 The first block's parent is the namespace id itself.
@@ -25,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 KEY_HEX = 32  # 128-bit blake2b keys
-_BLOCK_RE = re.compile(r"^([0-9a-f]{32})/blocks/([0-9a-f]{32})/([0-9a-f]{32})\.([1-9][0-9]{0,6})\.rvq$")
+_BLOCK_RE = re.compile(r"^([0-9a-f]{32})/blocks/([0-9a-f]{32})/([0-9a-f]{32})\.([1-9][0-9]{0,6})\.(0|[1-9][0-9]{0,9})\.rvq$")
 
 
 def _digest(data: bytes) -> str:
@@ -67,14 +70,15 @@ class BlockName:
     parent: str
     key: str
     n_tokens: int
+    first: int  # the block's first token id
 
     @property
     def path(self) -> str:
-        return block_path(self.ns, self.parent, self.key, self.n_tokens)
+        return block_path(self.ns, self.parent, self.key, self.n_tokens, self.first)
 
 
-def block_path(ns: str, parent: str, key: str, n_tokens: int) -> str:
-    return f"{ns}/blocks/{parent}/{key}.{n_tokens}.rvq"
+def block_path(ns: str, parent: str, key: str, n_tokens: int, first: int) -> str:
+    return f"{ns}/blocks/{parent}/{key}.{n_tokens}.{int(first)}.rvq"
 
 
 def children_prefix(ns: str, parent: str) -> str:
@@ -94,4 +98,4 @@ def parse_block_path(path: str) -> BlockName | None:
     m = _BLOCK_RE.match(path)
     if m is None:
         return None
-    return BlockName(m.group(1), m.group(2), m.group(3), int(m.group(4)))
+    return BlockName(m.group(1), m.group(2), m.group(3), int(m.group(4)), int(m.group(5)))

@@ -53,6 +53,7 @@ class BlockRef:
     parent: str
     key: str
     n_block: int
+    first: int  # the block's first token id (part of its object name)
 
     @property
     def partial(self) -> bool:
@@ -157,12 +158,13 @@ class PrefixStore:
             for i in range(0, len(full), batch):
                 chunk = full[i:i + batch]
                 found = self._exists_many([block_path(self.ns, (parent if j == 0 and i == 0 else full[i + j - 1][2]),
-                                                      k, self.block_size) for j, (_, _, k) in enumerate(chunk)])
+                                                      k, self.block_size, tokens[s0])
+                                           for j, (s0, _, k) in enumerate(chunk)])
                 for (s, e, k), ok in zip(chunk, found):
                     if not ok:
                         stopped = True
                         break
-                    path.append(BlockRef(s, e, parent, k, e - s))
+                    path.append(BlockRef(s, e, parent, k, e - s, int(tokens[s])))
                     parent, pos = k, e
                 if stopped:
                     break
@@ -173,7 +175,7 @@ class PrefixStore:
                         if c is not None]
             best = None
             for name in sorted(children, key=lambda t: -t.n_tokens):
-                if (name.n_tokens < self.block_size and pos + name.n_tokens <= n
+                if (name.n_tokens < self.block_size and pos + name.n_tokens <= n and name.first == tokens[pos]
                         and block_key(parent, tokens[pos:pos + name.n_tokens]) == name.key):
                     best = name
                     break
@@ -182,9 +184,9 @@ class PrefixStore:
                 part = self._best_partial(children, tokens[pos:])
                 if part is not None:
                     name, m = part
-                    path.append(BlockRef(pos, pos + m, parent, name.key, name.n_tokens))
+                    path.append(BlockRef(pos, pos + m, parent, name.key, name.n_tokens, name.first))
                 break
-            path.append(BlockRef(pos, pos + best.n_tokens, parent, best.key, best.n_tokens))
+            path.append(BlockRef(pos, pos + best.n_tokens, parent, best.key, best.n_tokens, best.first))
             parent, pos = best.key, pos + best.n_tokens
         return path
 
@@ -194,7 +196,7 @@ class PrefixStore:
         process: a block's content never changes), or None."""
         best, best_m = None, 0
         for name in children:
-            if not len(rest) or (name.n_tokens <= best_m):
+            if not len(rest) or name.first != rest[0] or name.n_tokens <= best_m:
                 continue
             ids = self._block_tokens(name)
             if ids is None:
@@ -231,7 +233,7 @@ class PrefixStore:
         return refs[-1].end if refs else 0
 
     def _read_block(self, ref: BlockRef, tokens: np.ndarray) -> BlockData:
-        p = block_path(self.ns, ref.parent, ref.key, ref.n_block)
+        p = block_path(self.ns, ref.parent, ref.key, ref.n_block, ref.first)
         expect = tokens[ref.start:ref.end]
         if ref.partial:  # the block's own ids, authenticated by its key when the walk read them
             with self._lock:
@@ -320,7 +322,7 @@ class PrefixStore:
         with self._lock:
             self.stats.corrupt_blocks += 1
             self.stats.errors.append(str(err))
-        self.backend.delete(block_path(self.ns, ref.parent, ref.key, ref.n_block))
+        self.backend.delete(block_path(self.ns, ref.parent, ref.key, ref.n_block, ref.first))
 
     def _mark_used(self, key: str) -> None:
         try:
@@ -351,7 +353,7 @@ class PrefixStore:
         if refs and refs[-1].partial:
             # the prompt leaves a stored block midway: store the shared part as a short block of its
             # own and branch there, so later prompts with this prefix share it (a radix split)
-            refs = refs[:-1] + [BlockRef(refs[-1].start, refs[-1].end, refs[-1].parent, "", 0)]
+            refs = refs[:-1] + [BlockRef(refs[-1].start, refs[-1].end, refs[-1].parent, "", 0, 0)]
             have, parent = refs[-1].start, refs[-1].parent
             split = refs[-1].end
             if split >= n:  # the whole prompt lies inside stored blocks
@@ -378,7 +380,7 @@ class PrefixStore:
             data = encode_block(runs, s - have, e - have, tokens=toks[s:e], quantizer=quantizer,
                                 fingerprint=self.fingerprint,
                                 metadata={"store.key": key, "store.parent": par, "store.start": str(s)})
-            return len(data) if self.backend.create(block_path(self.ns, par, key, e - s), data) else 0
+            return len(data) if self.backend.create(block_path(self.ns, par, key, e - s, toks[s]), data) else 0
 
         # the arrays are evaluated once here so the writer threads only serialize them
         mx.eval([a for r in runs for p in (r.keys, r.values) for a in (p.scales, p.codes1, p.codes2) if a is not None])
