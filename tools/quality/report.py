@@ -144,7 +144,8 @@ def render(res: dict) -> str:
                 "pooled = mean of the per-text means over the tuning texts. Δppl pools their tokens; its 95% "
                 "interval is a paired moving-block bootstrap (blocks of 32 tokens, resampled within each text). "
                 "K / V err = E‖x−x̂‖²/‖x‖² over every cached vector.", ""] + table(res, proto) + [""]
-    out += ["## How to reproduce", "", "```", "python tools/probe_sensitivity.py --tokens 512 --text prose=tools/texts/prose-genesis-joseph.txt "
+    out += ["## How to reproduce", "", "```",
+            "python tools/probe_sensitivity.py --tokens 512 --text prose=tools/texts/prose-genesis-joseph.txt "
             "--out tools/results/quality-sensitivity-smollm2.json",
             *(res.get("recipe") or [f"python tools/eval_quality.py {a}" for a in res.get("argv", "").split("\n")]),
             "```", ""]
