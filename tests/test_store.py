@@ -105,6 +105,11 @@ def test_rvq_caches_with_a_dense_window_and_codec_settings(model, prompts, tmp_p
         other.put(a, rc)
     assert files(tmp_path) == before  # a failed put leaves the store as it was
     assert other.longest_prefix(a) == (0, None)  # another codec is another namespace
+    sides, fresh = rvqstore.make_prompt_cache(model, value_bits=(2, 2)), tokens(77, 20)
+    prefill(model, fresh, sides)
+    with pytest.raises(StoreConfigError, match="per-side"):
+        s.put(fresh, sides)
+    assert files(tmp_path) == before
 
 
 def test_unsupported_cache_kinds_are_refused_by_name(model, prompts, tmp_path):

@@ -128,6 +128,9 @@ def _rvq_range(c: RVQKVCache, i: int, start: int, end: int, settings: tuple) -> 
         raise StoreConfigError(f"layer {i} holds {c.offset} tokens, fewer than {end}")
     mine = (c.codec_bits, c.seed, c.residual if c.codec_bits[1] else "conditional")
     want = (tuple(settings[0]), settings[1], settings[2] if settings[0][1] else "conditional")
+    if getattr(c, "value_bits", c.codec_bits) != c.codec_bits:
+        raise StoreConfigError(f"layer {i} codes values with bits {c.value_bits}, keys with {c.codec_bits}: the "
+                               f"store holds one codec setting for both (per-side bits are not supported yet)")
     if mine != want:
         raise StoreConfigError(f"layer {i} is coded with bits/seed/residual {mine}, the store with {want}: "
                                f"re-encoding would add a second quantization error")
