@@ -15,7 +15,15 @@ from .cache import RVQKVCache
 from .rotating_cache import RVQRotatingKVCache
 from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec
 from .compat import UnsupportedCacheError
-from .errors import CodecConfigError, InputShapeError, NonFiniteInputError, RVQError
+from .errors import (
+    CodecConfigError,
+    InputShapeError,
+    InvalidArgumentError,
+    InvalidScaleError,
+    NonFiniteInputError,
+    RVQError,
+    UnsupportedModelError,
+)
 from .format import FormatError
 from .format import open_rvq as open  # noqa: A001 - rvqstore.open(path) mirrors the builtin's role
 from .packing import pack_codes, unpack_codes
@@ -39,4 +47,5 @@ __all__ = [
     "save_prompt_cache", "load_prompt_cache", "resume", "ResumeResult", "open",
     "RVQError", "CodecConfigError", "InputShapeError", "NonFiniteInputError", "FormatError",
     "ModelMismatchError", "NoTokensError", "UnsupportedCacheError", "PrefixStore",
+    "InvalidArgumentError", "InvalidScaleError", "UnsupportedModelError",
 ]

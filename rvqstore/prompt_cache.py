@@ -158,7 +158,7 @@ def load_prompt_cache(path: str | os.PathLike, *, model: Any = None, tokenizer: 
 
 def _read_caches(f, *, mode: str | None, use_kernels: bool, max_decoded_bytes: int | None = None) -> list:
     if mode is not None and mode not in ("packed", "resident"):
-        raise ValueError(f"mode must be 'packed' or 'resident', got {mode!r}")
+        raise InvalidArgumentError(f"mode must be 'packed' or 'resident', got {mode!r}")
     f.check_decoded_size(max_decoded_bytes)  # bounded before any section is decoded (spec section 12)
     f.tokens()  # a load relies on every byte it keeps: the token ids' checksum too (spec 13, S3)
     opts = _cache_options(f)
@@ -193,9 +193,9 @@ def resume(path: str | os.PathLike, prompt_tokens: Sequence[int], model: Any = N
     go: a sliding window that has moved cannot rewind below what its next token attends to, a recurrent
     state is reusable only at its exact length (then nothing is reused); ``reason`` says which limit hit.
     """
-    prompt = [int(t) for t in prompt_tokens]
+    prompt = parse_token_ids(prompt_tokens).tolist()
     if not prompt:
-        raise ValueError("prompt_tokens is empty")
+        raise InvalidArgumentError("prompt_tokens is empty")
     with open_rvq(path) as f:
         stored = f.tokens()
         if stored is None:

@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import rvqstore
 from rvqstore import RVQKVCache, load_prompt_cache, save_prompt_cache
 from rvqstore.errors import InvalidArgumentError, RVQError
 from rvqstore.save_arguments import parse_metadata, parse_token_ids
@@ -65,3 +66,10 @@ def test_good_arguments_in_every_accepted_form_round_trip(tmp_path):
         caches, meta = load_prompt_cache(path, return_metadata=True)
         assert meta == {"prompt": "hi"} and caches[0].offset == 4
     assert parse_token_ids([]).shape == (0,) and parse_metadata(None) == {}
+
+
+def test_resume_refuses_bad_prompt_tokens_before_touching_the_file(tmp_path):
+    missing = tmp_path / "never-opened.rvq"  # argument checks come first: no FileNotFoundError
+    for bad in ([], ["a"], [2**40], [-1], "abc", [1.5]):
+        with pytest.raises(rvqstore.InvalidArgumentError):
+            rvqstore.resume(missing, bad)
