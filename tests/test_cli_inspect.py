@@ -183,3 +183,11 @@ def test_console_script_has_no_traceback_and_true_exit_status(tmp_path, cache_fi
     r = subprocess.run([sys.executable, "-m", "rvqstore.cli", "inspect", "--json", str(cache_file)],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and json.loads(r.stdout)["n_tokens"] == 50
+
+
+def test_inspect_lists_every_quantizer_of_a_quantizer_table(capsys):
+    code, out, _ = run(capsys, "inspect", str(VEC / "valid" / "per_side_quantizers.rvq"))
+    assert code == 0
+    assert "quantizer 0 turboquant-rvq v1: dim 56, bits 4+2" in out
+    assert "quantizer 1 turboquant-rvq v1: dim 40, bits 2+2, shared residual" in out
+    assert "none (all layers dense)" not in out

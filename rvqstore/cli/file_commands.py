@@ -127,6 +127,7 @@ def describe(f) -> dict[str, Any]:
         "model": h.model,
         "metadata": h.metadata,
         "quantizer": h.quantizer,
+        "quantizers": list(h.quantizers) if h.quantizers is not None else None,  # feature quantizer-table
         "layers": layers,
         "totals": totals,
         "memory": {
@@ -155,8 +156,14 @@ def _print_inspect(d: dict[str, Any], out) -> None:
     w(f"tokens      {d['n_tokens']:,}" + ("  (token ids stored)" if d["token_ids_stored"] else "  (no token ids)") + "\n")
     if d["metadata"]:
         w("metadata    " + "\n            ".join(f"{k} = {v}" for k, v in d["metadata"].items()) + "\n")
-    for line in _quantizer_lines(d["quantizer"]):
-        w(line + "\n")
+    if d.get("quantizers"):  # one quantizer per layer side (feature quantizer-table)
+        for i, q in enumerate(d["quantizers"]):
+            for line in _quantizer_lines(q):
+                w(line.replace("quantizer  ", f"quantizer {i}", 1) if line.startswith("quantizer") else line)
+                w("\n")
+    else:
+        for line in _quantizer_lines(d["quantizer"]):
+            w(line + "\n")
     w("\n")
     hdr = (f"{'layer':>5} {'kind':<5} {'tokens':>8} {'dense':>6} {'batch':>5} {'heads':>5} {'dim':>5} "
            f"{'stored B':>14} {'fp16 B':>14} {'ratio':>7} {'bits/coord':>10}\n")
