@@ -48,7 +48,7 @@ def same(c1, c2, n):
 
 def test_put_then_lookup_is_bit_exact_and_prefixes_share_blocks(model, prompts, tmp_path):
     (a, ca), (b, cb) = prompts["a"], prompts["b"]
-    s = PrefixStore(str(tmp_path), model=model, block_size=32)
+    s = PrefixStore(str(tmp_path), model=model, block_size=32, min_partial=8)
     r = s.put(a, ca)
     assert (r.stored_before, r.new_tokens, r.new_blocks) == (0, 270, 9)  # 8 full blocks + a 14-token tail
     assert s.put(a, ca).new_blocks == 0  # nothing twice
@@ -64,8 +64,20 @@ def test_put_then_lookup_is_bit_exact_and_prefixes_share_blocks(model, prompts, 
     blocks = [f for f in files(tmp_path) if f.endswith(".rvq")]
     assert len(blocks) == 9 + 1 + 2  # a's blocks, the split's 8 tokens, b's 32 + 5
     # a fresh object over the same directory (a restart) finds everything
-    s2 = PrefixStore(str(tmp_path), model=model, block_size=32)
+    s2 = PrefixStore(str(tmp_path), model=model, block_size=32, min_partial=8)
     assert s2.longest_prefix(a)[0] == 270 and s2.stored_prefix(b) == 245
+
+
+def test_short_shared_runs_are_neither_split_off_nor_read(model, prompts, tmp_path):
+    (a, ca), (b, cb) = prompts["a"], prompts["b"]
+    s = PrefixStore(str(tmp_path), model=model, block_size=32)  # min_partial 16 > the 8 shared tokens
+    s.put(a, ca)
+    assert s.stored_prefix(b) == 192  # whole blocks only
+    rb = s.put(b, cb)
+    assert rb.stored_before == 192 and rb.new_blocks == 2  # b's own blocks from 192: no 8-token split block
+    assert s.longest_prefix(b)[0] == 245
+    with pytest.raises(StoreConfigError):
+        PrefixStore(str(tmp_path), model=model, min_partial=0)
 
 
 def test_partial_block_use_and_max_tokens(model, prompts, tmp_path):
@@ -75,10 +87,13 @@ def test_partial_block_use_and_max_tokens(model, prompts, tmp_path):
     n, caches = s.longest_prefix(a[:150] + [1, 2, 3])  # inside the third block
     assert n == 150 and same(caches, rvqstore.convert_prompt_cache(ca), 150)
     n, caches = s.longest_prefix(a, max_tokens=len(a) - 1)  # leave one token to compute
-    assert n == 269 and caches[0].offset == 269
+    assert n == 256  # 13 of the 14-token tail: fewer than min_partial (16), not worth a block read
     assert s.longest_prefix(tokens(99, 50)) == (0, None)
     assert s.longest_prefix(a, min_tokens=271) == (270, None)  # shorter than a caller's own: not read
-    assert s.stats.blocks_read == 3 + 5  # only the blocks each hit needed
+    assert s.stats.blocks_read == 3 + 4  # only the blocks each hit needed
+    s8 = PrefixStore(str(tmp_path), model=model, block_size=64, min_partial=8)
+    n, caches = s8.longest_prefix(a, max_tokens=len(a) - 1)
+    assert n == 269 and caches[0].offset == 269
 
 
 def test_rvq_caches_with_a_dense_window_and_codec_settings(model, prompts, tmp_path):

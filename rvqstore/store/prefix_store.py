@@ -37,6 +37,7 @@ log = logging.getLogger("rvqstore.store")
 # trades each block's fixed cost (a ~31 KB header for SmolLM2's 30 layers; zstd on bigger sections)
 # against the unused part of a block read for a partial hit.
 DEFAULT_BLOCK_SIZE = 256
+DEFAULT_MIN_PARTIAL = 16
 # A block object larger than this is not downloaded (a planted or mangled object must not cost a huge
 # allocation): 1 MiB per token is ~8x a 4+2-bit token of an 80-layer, 8-KV-head, dim-128 model.
 MAX_HEADER_BYTES = 1 << 20
@@ -94,14 +95,21 @@ class PrefixStore:
             prompts that diverge mid-block, at more objects and per-block header bytes.
         backend_options: for S3 (``endpoint``, ``region``, credentials).
         workers: parallel reads/writes.
+        min_partial: the fewest tokens of a stored block worth using in part (a lookup) or splitting
+            off (a put): below it, reading a whole block or paying a block's header costs more than
+            computing or storing those tokens again.
     """
 
     def __init__(self, url: str, *, model: Any = None, tokenizer: Any = None, fingerprint: dict | None = None,
                  n_layers: int | None = None, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0,
                  residual: str = "conditional", block_size: int = DEFAULT_BLOCK_SIZE, workers: int = 8,
+                 min_partial: int = DEFAULT_MIN_PARTIAL,
                  backend: Backend | None = None, **backend_options: Any):
         if not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= 65536:
             raise StoreConfigError(f"block_size must be an integer in [1, 65536], got {block_size!r}")
+        if not isinstance(min_partial, int) or isinstance(min_partial, bool) or min_partial < 1:
+            raise StoreConfigError(f"min_partial must be an integer >= 1, got {min_partial!r}")
+        self.min_partial = min_partial
         if not isinstance(workers, int) or workers < 1:
             raise StoreConfigError(f"workers must be an integer >= 1, got {workers!r}")
         self.bits = _parse_bits(bits)
@@ -206,7 +214,7 @@ class PrefixStore:
             m = min(common_prefix_length(ids, rest), name.n_tokens)
             if m > best_m:
                 best, best_m = name, m
-        return (best, best_m) if best is not None else None
+        return (best, best_m) if best is not None and best_m >= self.min_partial else None
 
     def _block_tokens(self, name) -> np.ndarray | None:
         with self._lock:
