@@ -50,7 +50,8 @@ class Section:
 
     ``array`` is a numpy array or an ``mx.array``.  ``dtype`` names the element type on disk; when
     None it is taken from the array.  For ``"bfloat16"`` pass an ``mx.bfloat16`` array or a uint16
-    numpy array holding the bit patterns.  ``codec`` forces ``"raw"`` or ``"zstd"`` for this section.
+    numpy array holding the bit patterns.  ``codec`` overrides ``compress`` for this section (any of
+    its modes; ``"rans"`` applies to packed code sections only, others then get ``"auto"``).
     """
 
     name: str
