@@ -65,8 +65,8 @@ class Counting:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def get(self, path):
-        data = self.inner.get(path)
+    def get(self, path, max_bytes=None):
+        data = self.inner.get(path, max_bytes=max_bytes)
         self.bytes += len(data or b"")
         return data
 
