@@ -107,6 +107,16 @@ class _Stream:
         self.scales, self.codes1, self.codes2 = scales, codes1, codes2
         self.n = scales.shape[-1]
 
+    def check_packed(self, packed: Any, shape: tuple[int, int, int], dim: int, dtype: mx.Dtype,
+                     head_dims: tuple[int, int]) -> None:
+        """Check ``(scales, codes1, codes2)`` from outside (a file, a caller) before any cache takes them."""
+        if (not isinstance(packed, (tuple, list)) or len(packed) != 3 or not isinstance(packed[0], mx.array)
+                or packed[0].shape != shape or self.codec.dim != dim):
+            raise InputShapeError(f"keys and values must be (scales, codes1, codes2) with scales of shape "
+                                  f"{shape}, coded with head dims {tuple(head_dims)}")
+        self.codec.check_encoded(EncodedVectors(*packed, dtype))
+        self.codec.check_scales(packed[0], dtype)  # NaN or within the dtype's bound
+
     def used(self) -> tuple[mx.array, mx.array, mx.array | None]:
         if self.scales is None:  # nothing coded yet (e.g. all tokens still in the dense window)
             return (mx.zeros(self.lead + (0,), mx.bfloat16), mx.zeros(self.lead + (0, self.codec.words1), mx.uint32),
@@ -458,12 +468,7 @@ class RVQKVCache:
         c._values = _Stream(value_codec or c._codec(head_dims[1], c.value_bits), (b, h))
         c.codec_bits, c.value_bits = c._keys.codec.bits, c._values.codec.bits
         for stream, packed, d in ((c._keys, keys, head_dims[0]), (c._values, values, head_dims[1])):
-            if (not isinstance(packed, (tuple, list)) or len(packed) != 3 or not isinstance(packed[0], mx.array)
-                    or packed[0].shape != (b, h, n) or stream.codec.dim != d):  # arrays from outside: check all
-                raise InputShapeError(f"keys and values must be (scales, codes1, codes2) with scales of shape "
-                                      f"{(b, h, n)}, coded with head dims {tuple(head_dims)}")
-            stream.codec.check_encoded(EncodedVectors(*packed, dtype))
-            stream.codec.check_scales(packed[0], dtype)  # NaN or within the dtype's bound
+            stream.check_packed(packed, (b, h, n), d, dtype, head_dims)
         c._keys.set_packed(*keys)
         c._values.set_packed(*values)
         nd = 0

@@ -242,12 +242,7 @@ class RVQRotatingKVCache:
         c._keys = _Stream(key_codec or c._codec(head_dims[0]), (b, h))
         c._values = _Stream(value_codec or c._codec(head_dims[1]), (b, h))
         for stream, packed, d in ((c._keys, keys, head_dims[0]), (c._values, values, head_dims[1])):
-            if (not isinstance(packed, (tuple, list)) or len(packed) != 3 or not isinstance(packed[0], mx.array)
-                    or packed[0].shape != (b, h, n) or stream.codec.dim != d):  # arrays from outside: check all
-                raise InputShapeError(f"keys and values must be (scales, codes1, codes2) with scales of shape "
-                                      f"{(b, h, n)}, coded with head dims {tuple(head_dims)}")
-            stream.codec.check_encoded(EncodedVectors(*packed, dtype))
-            stream.codec.check_scales(packed[0], dtype)  # NaN or within the dtype's bound
+            stream.check_packed(packed, (b, h, n), d, dtype, head_dims)
         c._keys.set_packed(*keys)
         c._values.set_packed(*values)
         c.offset = offset

@@ -194,7 +194,8 @@ def resolve_target(path: str) -> tuple[str, int | None]:
     return target, stat.S_IMODE(st.st_mode)
 
 
-def _fsync_dir(d: str) -> None:
+def fsync_dir(d: str) -> None:
+    """Make a rename or link in directory ``d`` durable (best effort where directories cannot be synced)."""
     try:
         fd = os.open(d or ".", os.O_RDONLY)
     except OSError:
@@ -315,7 +316,7 @@ def write_rvq(
         ok = True
         os.close(fd)
         fd = -1
-        _fsync_dir(os.path.dirname(target))
+        fsync_dir(os.path.dirname(target))
         try:
             sweep_stale_temps(target)
         except OSError:

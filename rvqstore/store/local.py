@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 
+from ..format.writer import fsync_dir
 from .backend import ObjectInfo
 
 TMP_PREFIX = ".tmp-"
@@ -44,18 +45,6 @@ class LocalBackend:
         os.close(fd)
         return tmp
 
-    def _fsync_dir(self, d: str) -> None:
-        try:
-            fd = os.open(d, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
     def create(self, path: str, data: bytes) -> bool:
         full = self._abs(path)
         if os.path.exists(full):
@@ -69,7 +58,7 @@ class LocalBackend:
         finally:
             os.unlink(tmp)
         if created:
-            self._fsync_dir(os.path.dirname(full))
+            fsync_dir(os.path.dirname(full))
         return created
 
     def put(self, path: str, data: bytes) -> None:
