@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_lm_prompt_cache
 import rvqstore
 from rvqstore.generation import prefill
 from rvqstore.rotating_cache import RVQRotatingKVCache
+from subprocess_env import python_path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import CONFIGS, WINDOW, build, write_model_folder  # noqa: E402
@@ -125,7 +126,7 @@ def test_save_load_resume_in_a_fresh_process_is_exact(models, tmp_path):
             key = str(tmp_path / f"{arch}-{n}-diff.npy")
             jobs.append(dict(arch=arch, weights=weights, path=str(path), prompt=other, steps=[], out=key))
             expected[key] = (np.array(mem), 0 if recurrent else n - 1)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT))
     res = subprocess.run([sys.executable, "-c", _FRESH, json.dumps(jobs), str(Path(__file__).parent)],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -164,7 +165,7 @@ def test_cli_cache_prompt_and_generate_with_a_model_folder(tmp_path):
     folder = tmp_path / "gemma3-tiny"
     write_model_folder("gemma3_text", folder)
     out = tmp_path / "p.rvq"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT))
     run = lambda *a: subprocess.run([sys.executable, "-m", "rvqstore", *a], capture_output=True, text=True,  # noqa: E731
                                     env=env, cwd=ROOT, timeout=300)
     r = run("cache-prompt", "--model", str(folder), "--prompt", "the quick brown fox jumps over the lazy dog",

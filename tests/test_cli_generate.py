@@ -6,13 +6,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import python_path
 
 pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(*args, stdin=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT))
     return subprocess.run([sys.executable, "-m", "rvqstore", *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=ROOT, input=stdin, timeout=300)
 

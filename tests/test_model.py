@@ -15,6 +15,7 @@ import pytest
 from rvqstore import blas
 from rvqstore import model as rm
 from rvqstore.errors import ModelNotFoundError, RVQError, UnsupportedModelError
+from subprocess_env import python_path
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -196,7 +197,7 @@ def test_fingerprint_deterministic_and_weight_sensitive(loaded):
 
     # Same value in a fresh process.
     code = "import json; from rvqstore.model import *; m, t = load_model(); print(json.dumps(model_fingerprint(m, t)))"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": python_path(REPO)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == fp
 
@@ -263,7 +264,7 @@ def test_blas_helpers(monkeypatch):
 def test_reexec_loads_openblas():
     code = "from rvqstore import blas; blas.maybe_reexec_with_openblas(); print(blas.blas_is_fast())"
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.NO_REEXEC_ENV)}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = python_path(REPO)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
 

@@ -14,6 +14,7 @@ import rvqstore
 from rvqstore import ModelMismatchError, load_prompt_cache, make_prompt_cache, resume, save_prompt_cache
 from rvqstore.format import ChecksumMismatchError, FormatError, TruncatedFileError
 from rvqstore.generation import greedy_tokens, prefill
+from subprocess_env import python_path
 
 pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,7 @@ def test_greedy_continuation_in_fresh_process_is_token_identical(smollm2, saved,
     model_cache = make_prompt_cache(model)
     prefill(model, tokens, model_cache)
     same_process = list(greedy_tokens(model, model_cache, cont, 12))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT))
     out = subprocess.run([sys.executable, "-c", _FRESH, str(path), json.dumps(cont)], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import python_path
 
 pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +19,7 @@ PROMPT = ("The Python interpreter reads a program and executes it one statement 
 
 
 def generate(store, *extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT))
     return subprocess.run([sys.executable, "-m", "rvqstore", "generate", "--store", str(store), "--prompt", PROMPT,
                            "--max-tokens", "5", *extra], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=300)
@@ -39,5 +40,5 @@ def test_generate_with_a_store_reuses_the_prefix_next_time(smollm2, tmp_path):
     bad = generate("ftp://nowhere/x")
     assert bad.returncode == 1 and "StoreURLError" in bad.stderr and "Traceback" not in bad.stderr
     both = subprocess.run([sys.executable, "-m", "rvqstore", "generate", "--store", str(store), "--prompt-cache", "x.rvq"],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=python_path(ROOT)), timeout=120)
     assert both.returncode == 2 and "not allowed with" in both.stderr
