@@ -23,24 +23,12 @@ from rvqstore.rotating_cache import RVQRotatingKVCache
 from subprocess_env import python_path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import CONFIGS, WINDOW, build, write_model_folder  # noqa: E402
+from tiny_models import CONFIGS, WINDOW, build, prompt_tokens, step_logits, write_model_folder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = list(CONFIGS)
 LENGTHS = (8, 40)  # shorter and longer than the window
 MORE = [9, 10, 11, 12]
-
-
-def _prompt(n):
-    return [(7 * i + 3) % 120 + 3 for i in range(n)]
-
-
-def _steps(model, cache, tokens):
-    """Logits of a chunk of ``tokens`` and then of single-token steps (the decode path)."""
-    out = [prefill(model, tokens[:-2], cache, chunk=12)]
-    for t in tokens[-2:]:
-        out.append(model(mx.array([[t]]), cache=cache)[:, -1, :])
-    return np.concatenate([np.array(o.astype(mx.float32)) for o in out])
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +41,8 @@ def test_rvq_4_4_logits_are_close_to_the_unquantized_caches(models, arch):
     model = models[arch]
     for n in LENGTHS:
         ref_cache, cache = mlx_lm_prompt_cache(model), rvqstore.make_prompt_cache(model, bits=(4, 4))
-        ref = _steps(model, ref_cache, _prompt(n) + MORE)
-        got = _steps(model, cache, _prompt(n) + MORE)
+        ref = step_logits(model, ref_cache, prompt_tokens(n) + MORE)
+        got = step_logits(model, cache, prompt_tokens(n) + MORE)
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         # measured 0.003-0.008, gemma3_text 0.037-0.050 (its 2+2 error: 0.43-0.54)
         assert rel < 0.07, (arch, n, rel)
@@ -98,7 +86,7 @@ def test_save_load_resume_in_a_fresh_process_is_exact(models, tmp_path):
         weights = str(tmp_path / f"{arch}.safetensors")
         model.save_weights(weights)
         for n in LENGTHS:
-            tokens = _prompt(n)
+            tokens = prompt_tokens(n)
             cache = rvqstore.make_prompt_cache(model, bits=(2, 2))
             prefill(model, tokens, cache)
             path = tmp_path / f"{arch}-{n}.rvq"
@@ -144,9 +132,9 @@ def test_snapshot_layer_kinds_in_the_file(models, tmp_path):
     for arch, kinds in expect.items():
         model = models[arch]
         cache = rvqstore.make_prompt_cache(model, bits=(2, 2))
-        prefill(model, _prompt(40), cache)
+        prefill(model, prompt_tokens(40), cache)
         path = tmp_path / f"{arch}.rvq"
-        rvqstore.save_prompt_cache(path, cache, tokens=_prompt(40), model=model)
+        rvqstore.save_prompt_cache(path, cache, tokens=prompt_tokens(40), model=model)
         with rvqstore.open(path) as f:
             assert [layer.kind for layer in f.layers] == kinds
             assert f.version == (1, 1) and "layer-kinds" in f.header.required_features or arch == "deepseek_v3"
@@ -186,9 +174,9 @@ def test_lists_of_mlx_lm_caches_save_and_load(models, tmp_path):
     for arch in ("gemma3_text", "qwen3_next", "falcon_h1"):
         model = models[arch]
         cache = mlx_lm_prompt_cache(model)
-        prefill(model, _prompt(40), cache)
+        prefill(model, prompt_tokens(40), cache)
         path = tmp_path / f"{arch}.rvq"
-        rvqstore.save_prompt_cache(path, cache, tokens=_prompt(40), model=model, bits=(4, 4))
+        rvqstore.save_prompt_cache(path, cache, tokens=prompt_tokens(40), model=model, bits=(4, 4))
         loaded = rvqstore.load_prompt_cache(path, model=model)
         flat = lambda cs: [x for c in cs for x in getattr(c, "caches", [c])]  # noqa: E731
         for a, b in zip(flat(cache), flat(loaded)):
@@ -196,13 +184,13 @@ def test_lists_of_mlx_lm_caches_save_and_load(models, tmp_path):
                 assert all(mx.array_equal(x, y).item() for x, y in zip(a.cache, b.cache))
             else:
                 assert b.offset == a.offset == 40 and (not isinstance(b, RVQRotatingKVCache) or b.n_held == WINDOW)
-        ref, got = _steps(model, cache, MORE), _steps(model, loaded, MORE)
+        ref, got = step_logits(model, cache, MORE), step_logits(model, loaded, MORE)
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.07
 
 
 def test_resume_stops_where_a_moved_window_cannot_rewind(models, tmp_path):
     model = models["gemma3_text"]
-    tokens = _prompt(40)
+    tokens = prompt_tokens(40)
     cache = rvqstore.make_prompt_cache(model, bits=(2, 2))
     prefill(model, tokens, cache)
     path = tmp_path / "g.rvq"
@@ -228,7 +216,7 @@ def test_attention_on_codes_serves_only_calls_over_the_cache_own_arrays(models, 
     for arch, want in (("llama", True), ("deepseek_v3", False)):
         served.clear()
         cache = rvqstore.make_prompt_cache(models[arch], bits=(2, 2))
-        _steps(models[arch], cache, _prompt(8))
+        step_logits(models[arch], cache, prompt_tokens(8))
         assert bool(served) == want, arch
 
 

@@ -82,3 +82,21 @@ def write_model_folder(arch: str, folder, seed: int = 0):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(folder))
     return model
+
+
+def prompt_tokens(n: int) -> list[int]:
+    """A deterministic prompt of ``n`` token ids inside every tiny vocabulary."""
+    return [(7 * i + 3) % 120 + 3 for i in range(n)]
+
+
+def step_logits(model, cache, tokens):
+    """Logits of a chunk of ``tokens`` and then of single-token steps (the decode path), as float32 numpy."""
+    import mlx.core as mx
+    import numpy as np
+
+    from rvqstore.generation import prefill
+
+    out = [prefill(model, tokens[:-2], cache, chunk=12)]
+    for t in tokens[-2:]:
+        out.append(model(mx.array([[t]]), cache=cache)[:, -1, :])
+    return np.concatenate([np.array(o.astype(mx.float32)) for o in out])

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_lm_prompt_cache  # noqa
 
 import rvqstore  # noqa: E402
 from rvqstore.generation import prefill  # noqa: E402
-from tiny_models import _COMMON, CONFIGS, WINDOW  # noqa: E402
+from tiny_models import _COMMON, CONFIGS, WINDOW, prompt_tokens, step_logits  # noqa: E402
 
 EXTRA = {
     "gemma4_text": dict(_COMMON, model_type="gemma4_text", num_hidden_layers=4, num_attention_heads=4,
@@ -75,17 +75,6 @@ EXTRA = {
 }
 
 
-def _prompt(n):
-    return [(7 * i + 3) % 120 + 3 for i in range(n)]
-
-
-def _steps(model, cache, tokens):
-    out = [prefill(model, tokens[:-2], cache, chunk=12)]
-    for t in tokens[-2:]:
-        out.append(model(mx.array([[t]]), cache=cache)[:, -1, :])
-    return np.concatenate([np.array(o.astype(mx.float32)) for o in out])
-
-
 def check(cfg: dict) -> dict:
     import importlib
 
@@ -93,9 +82,9 @@ def check(cfg: dict) -> dict:
     mx.random.seed(0)
     model = mod.Model(mod.ModelArgs.from_dict(cfg))
     model.set_dtype(mx.float32)
-    toks, more = _prompt(40), [9, 10, 11, 12]
-    ref = _steps(model, mlx_lm_prompt_cache(model), toks + more)
-    got = _steps(model, rvqstore.make_prompt_cache(model, bits=(4, 4)), toks + more)
+    toks, more = prompt_tokens(40), [9, 10, 11, 12]
+    ref = step_logits(model, mlx_lm_prompt_cache(model), toks + more)
+    got = step_logits(model, rvqstore.make_prompt_cache(model, bits=(4, 4)), toks + more)
     cache = rvqstore.make_prompt_cache(model, bits=(2, 2))
     prefill(model, toks, cache)
     with tempfile.TemporaryDirectory() as d:
