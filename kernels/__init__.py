@@ -13,6 +13,8 @@ One kernel body serves two dialects: ``mx.fast.metal_kernel`` (Apple GPUs) and
 * ``rvq_attend.inc`` (with ``rvq_attend_body_prelude_*.inc``): split-K attention straight on the
   packed codes, and ``rvq_attend_merge.inc``, which merges its splits and un-rotates (both used by
   :mod:`rvqstore.attention.kernel`).
+* ``rvq_append.inc``: a cache step's new keys and values -> norms and packed codes in one launch
+  (:mod:`rvqstore.cache_append`; CUDA).
 
 :func:`load_source` reads one of them from the installed package.
 """
@@ -34,6 +36,7 @@ SOURCES = (
     "rvq_attend_body_prelude_cuda.inc",
     "rvq_attend.inc",
     "rvq_attend_merge.inc",
+    "rvq_append.inc",
 )
 
 

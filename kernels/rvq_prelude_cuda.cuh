@@ -73,3 +73,13 @@ struct rvq_vec<1> {
 #define RVQ_FMAX(a, b) fmaxf((a), (b))
 // bfloat16 scale, passed as its uint16 bits: the float with those bits on top
 #define RVQ_BF16(u) __uint_as_float(uint(u) << 16)
+
+// ---- fused append (rvq_append.inc): IEEE-rounded sqrt and division, as MLX's float32 ops ----
+#define RVQ_SQRT(x) __fsqrt_rn(x)
+#define RVQ_DIV(a, b) __fdiv_rn((a), (b))
+#define RVQ_NAN __int_as_float(0x7fc00000)
+// float -> bfloat16 bits exactly as MLX's astype on CUDA (round to nearest even)
+#define RVQ_F2BF16_BITS(x) uint(__bfloat16_as_ushort(__float2bfloat16_rn(x)))
+#define RVQ_STORE_BF16(p, i, bits) (reinterpret_cast<unsigned short*>(p)[(i)] = (unsigned short)(bits))
+// element i of a bfloat16 array as float (exact: the bits on top of a float)
+#define RVQ_BF16_AT(p, i) __uint_as_float(uint(reinterpret_cast<const unsigned short*>(p)[(i)]) << 16)

@@ -25,3 +25,5 @@ typedef ulong rvq_u64;
 #define RVQ_FMAX(a, b) metal::fmax((a), (b))
 // bfloat16 scale, passed as its uint16 bits: the float with those bits on top
 #define RVQ_BF16(u) as_type<float>(uint(u) << 16)
+// element i of an array of bfloat16 bits (the launch passes Metal a uint16 view) as float
+#define RVQ_BF16_AT(p, i) RVQ_BF16((p)[(i)])

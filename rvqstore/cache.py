@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import attention, cache_steps
+from . import attention, cache_append, cache_steps
 from .codec import _FLOAT_DTYPES, DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError, InvalidArgumentError
 
@@ -185,6 +185,7 @@ class RVQKVCache:
         self.geometry: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
         self._steps_off = False  # set when a compiled step path failed (rvqstore.cache_steps)
         self._resident_written = False  # the compiled append extended the resident copy this update
+        self._step_fns: dict = {}  # rvqstore.cache_steps functions of this cache's codec and dtype
         attention.install()  # mlx-lm's attention calls reach attend_on_codes (rvqstore.attention.hook)
 
     # ---- helpers ----------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ class RVQKVCache:
             self._keys.append(keys)
             self._values.append(values)
             return
-        if self._compiled_append(keys, values):
+        if self._kernel_append(keys, values) or self._compiled_append(keys, values):
             return
         b = keys.shape[0]
         enc = self._keys.codec.encode(mx.concatenate([keys, values.astype(keys.dtype)], axis=0), check_finite=False)
@@ -264,6 +265,27 @@ class RVQKVCache:
     def _steps_ok(self) -> bool:
         """The compiled per-step paths apply (rvqstore.cache_steps): joint, two-stage, not switched off."""
         return not self._steps_off and self._keys.codec.bits2 > 0 and self._joint()
+
+    def _kernel_append(self, keys: mx.array, values: mx.array) -> bool:
+        """Packed mode on a CUDA device: encode through one fused launch (rvqstore.cache_append)."""
+        if self.mode != "packed" or not self.use_kernels or self._keys.codec.bits2 == 0:
+            return False
+        out = cache_append.append(self._keys.codec, keys, values)
+        if out is None:
+            return False
+        self._write_codes(out, keys.shape[2])
+        return True
+
+    def _write_codes(self, out: tuple, t: int) -> None:
+        """Write a step's ``(ks, k1, k2, vs, v1, v2)`` after the coded tokens, with static slices (in
+        place, as mlx-lm's KVCache does; the buffers grow in steps of _Stream.step)."""
+        k, v = self._keys, self._values
+        k._grow(k.lead, k.n + t)
+        v._grow(v.lead, v.n + t)
+        n, end = k.n, k.n + t
+        k.scales[..., n:end], k.codes1[..., n:end, :], k.codes2[..., n:end, :] = out[0], out[1], out[2]
+        v.scales[..., n:end], v.codes1[..., n:end, :], v.codes2[..., n:end, :] = out[3], out[4], out[5]
+        k.n = v.n = end
 
     def _compiled_append(self, keys: mx.array, values: mx.array) -> bool:
         """Append through one compiled call; False where the unfused path must run (the first append,
@@ -279,19 +301,19 @@ class RVQKVCache:
         k._grow(k.lead, k.n + t)
         v._grow(v.lead, v.n + t)
         try:
-            out = cache_steps.append_fn(k.codec, resident)(keys, values.astype(keys.dtype))
+            fn = self._step_fns.get(resident)
+            if fn is None:  # looked up once per cache (the shared table's key hashes the codebooks)
+                fn = self._step_fns[resident] = cache_steps.append_fn(k.codec, resident)
+            out = fn(keys, values if values.dtype == keys.dtype else values.astype(keys.dtype))
         except Exception:  # e.g. a kernel's first-use check inside a retrace: the unfused path from now on
             self._steps_off = True
             return False
         n, end = k.n, k.n + t
-        k.scales[..., n:end], k.codes1[..., n:end, :], k.codes2[..., n:end, :] = out[0], out[1], out[2]
-        v.scales[..., n:end], v.codes1[..., n:end, :], v.codes2[..., n:end, :] = out[3], out[4], out[5]
+        self._write_codes(out, t)
         if resident:
             self._res_k[:, :, n:end] = out[6].astype(self.dtype)
             self._res_v[:, :, n:end] = out[7].astype(self.dtype)
             self._resident_written = True
-        k.n += t
-        v.n += t
         return True
 
     def _decode_range(self, start: int, end: int) -> tuple[mx.array, mx.array]:
@@ -336,8 +358,10 @@ class RVQKVCache:
             k, v = self._res_k[:, :, :n], self._res_v[:, :, :n]
         elif n and self._steps_ok():  # one compiled call; sliced to the used part
             ks, vs = self._keys, self._values
-            k, v = cache_steps.decode_fn(ks.codec, self.dtype)(ks.scales, ks.codes1, ks.codes2, vs.scales,
-                                                                vs.codes1, vs.codes2)
+            fn = self._step_fns.get("decode")
+            if fn is None:
+                fn = self._step_fns["decode"] = cache_steps.decode_fn(ks.codec, self.dtype)
+            k, v = fn(ks.scales, ks.codes1, ks.codes2, vs.scales, vs.codes1, vs.codes2)
             k, v = k[:, :, :n], v[:, :, :n]
         elif n:
             k, v = self._decode_range(0, n)

@@ -139,6 +139,50 @@ def _folded_signs(codec, factor: float) -> mx.array:
 _signs_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+class _Launch:
+    """Everything of one launch that stays the same from step to step (made once per configuration:
+    a decode step then costs a dictionary lookup and the kernel call, not a dozen Python steps)."""
+
+    __slots__ = ("params", "qsg", "tab", "two", "template", "grid", "shapes")
+
+
+_F32_2 = [mx.float32, mx.float32]
+_launches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key codec -> {config: _Launch}
+
+
+def _launch_plan(view: CodesView, cap: int, bh: int, rows: int, dk: int, n_queries: int, causal: bool,
+                 scale: float | None, dtype) -> _Launch:
+    kc, vc = view.key_codec, view.value_codec
+    per = _launches.get(kc)
+    if per is None:
+        per = _launches[kc] = {}
+    key = (id(vc), cap, bh, rows, dk, n_queries, view.n_dense, causal, scale, dtype)
+    p = per.get(key)
+    if p is not None:
+        return p
+    chunk, splits = split_plan(cap, bh)
+    tab, tabn = decode_table(kc)
+    rot = scale is not None
+    two = kc.bits2 > 0
+    mode = fused.MODE_SINGLE if not two else (fused.MODE_CONDITIONAL if kc.residual == "conditional"
+                                              else fused.MODE_SHARED)
+    p = _Launch()
+    p.params = _static((cap, chunk, splits, n_queries, view.n_dense, int(causal)))
+    p.qsg = _folded_signs(kc, scale / dk) if rot else tab
+    p.tab, p.two = tab, two
+    p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_MODE", mode), ("T_DK", dk), ("T_DV", vc.dim),
+                  ("T_R", rows), ("T_TG", THREADS), ("T_TABN", tabn), ("T_ROT", int(rot)), ("InT", dtype)]
+    p.grid = (bh * splits * THREADS, 1, 1)
+    p.shapes = [(bh, splits, rows, vc.dim), (bh, splits, rows, 2)]
+    if len(per) > 64:
+        per.clear()
+    per[key] = p
+    return p
+
+
+_THREADGROUP = (THREADS, 1, 1)
+
+
 def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: str, *,
            scale: float | None = None):
     """Run the split kernel: ``(o (BH, S, R, Dv), ml (BH, S, R, 2))``.
@@ -147,41 +191,37 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: 
     dtype with ``scale`` given, rotated inside the kernel (Dk a power of two).
     """
     b, hkv, rows, dk = q.shape
-    kc, vc = view.key_codec, view.value_codec
     ks, k1, k2 = view.key_buffers
     vs, v1, v2 = view.value_buffers
-    cap, n = int(ks.shape[-1]), view.n_coded
-    bh = b * hkv
-    chunk, splits = split_plan(cap, bh)
-    tab, tabn = decode_table(kc)
-    params = _static((cap, chunk, splits, n_queries, view.n_dense, int(causal)))
-    rot = scale is not None
-    qsg = _folded_signs(kc, scale / dk) if rot else tab
-    two = kc.bits2 > 0
-    mode = fused.MODE_SINGLE if not two else (fused.MODE_CONDITIONAL if kc.residual == "conditional"
-                                              else fused.MODE_SHARED)
+    p = _launch_plan(view, ks.shape[-1], b * hkv, rows, dk, n_queries, causal, scale, q.dtype)
+    if dialect == "metal":  # Metal reads the norms as their uint16 bits; CUDA reinterprets the bfloat16
+        ks, vs = ks.view(mx.uint16), vs.view(mx.uint16)
     out = _kernel(dialect)(
-        inputs=[q, qsg, ks.view(mx.uint16), k1, k2 if two else k1, vs.view(mx.uint16), v1, v2 if two else v1,
-                tab, _count(n), params],
-        template=[("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_MODE", mode), ("T_DK", dk), ("T_DV", vc.dim),
-                  ("T_R", rows), ("T_TG", THREADS), ("T_TABN", tabn), ("T_ROT", int(rot)), ("InT", q.dtype)],
-        grid=(bh * splits * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(bh, splits, rows, vc.dim), (bh, splits, rows, 2)],
-        output_dtypes=[mx.float32, mx.float32])
+        inputs=[q, p.qsg, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.tab, _count(view.n_coded),
+                p.params],
+        template=p.template, grid=p.grid, threadgroup=_THREADGROUP, output_shapes=p.shapes, output_dtypes=_F32_2)
     return out[0], out[1]
+
+
+_merges: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # value codec -> {config: arguments}
 
 
 def merge(view: CodesView, o: mx.array, ml: mx.array, shape: tuple, dtype, dialect: str) -> mx.array:
     """The merge kernel: splits -> normalized, un-rotated output ``shape`` = (B, Hq, L, Dv) in ``dtype``."""
-    b, hq, l, dv = shape
-    bh, splits, rows, _ = o.shape
     vc = view.value_codec
-    params = _static((splits, hq // view.n_kv_heads, l))
-    return _kernel(dialect, "merge")(
-        inputs=[o, ml, _folded_signs(vc, 1.0 / dv), params],
-        template=[("T_DV", dv), ("T_R", rows), ("OutT", dtype)],
-        grid=(bh * rows * dv, 1, 1), threadgroup=(dv, 1, 1),
-        output_shapes=[shape], output_dtypes=[dtype])[0]
+    per = _merges.get(vc)
+    if per is None:
+        per = _merges[vc] = {}
+    key = (tuple(shape), tuple(o.shape), view.n_kv_heads, dtype)
+    args = per.get(key)
+    if args is None:
+        b, hq, l, dv = shape
+        bh, splits, rows, _ = o.shape
+        args = per[key] = (_folded_signs(vc, 1.0 / dv), _static((splits, hq // view.n_kv_heads, l)),
+                           [("T_DV", dv), ("T_R", rows), ("OutT", dtype)], (bh * rows * dv, 1, 1), (dv, 1, 1),
+                           [tuple(shape)], [dtype])
+    return _kernel(dialect, "merge")(inputs=[o, ml, args[0], args[1]], template=args[2], grid=args[3],
+                                     threadgroup=args[4], output_shapes=args[5], output_dtypes=args[6])[0]
 
 
 def partials_reference(view: CodesView, q_rot: mx.array, n_queries: int, causal: bool):

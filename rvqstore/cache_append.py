@@ -1,0 +1,172 @@
+"""Fused append: a cache step's new keys and values -> bfloat16 norms and packed codes, one GPU launch.
+
+A decode step on a fast GPU is host-bound: every primitive of the step's graph costs host time to
+build and launch, whatever its size. The codec's encode of one token per layer (concatenate keys and
+values, the rotation's elementwise ops, norm, Hadamard transform, the quantize kernel, six slices)
+is a dozen primitives; here it is one launch of ``kernels/rvq_append.inc`` with six outputs (key and
+value norms, codes1, codes2), which the cache writes into its buffers.
+
+The kernel follows the codec's reference steps in the same order (the Hadamard butterflies in the
+order ``mx.hadamard_transform`` takes them, IEEE sqrt and division, bfloat16 rounding as MLX's
+``astype``); only the order of the norm's sum of squares may differ from MLX's reduction, which can
+move a norm by one float32 ulp and, rarely, its bfloat16 rounding. So the first use of each
+configuration compares the kernel with the codec's encode on the same vectors and latches the kernel
+off (logged once) unless the norms agree within one bfloat16 ulp and nearly every code word is equal;
+a cache then takes its other paths. Either encoding is a valid one of the same codec.
+
+CUDA only (the Metal dialect of this body is not written); head dims that are powers of two from 32
+to 256; two-stage codes of 1, 2 or 4 bits per stage; keys and values of one dtype and codec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import weakref
+
+import mlx.core as mx
+import numpy as np
+
+from . import fused
+from .kernel_plan import ENCODE, make_plan
+
+log = logging.getLogger("rvqstore.kernels")
+
+_lock = threading.Lock()
+_kernel_fn = None
+_disabled: dict = {}  # configuration -> why the kernel is off for it
+_verified: set = set()
+_setups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+#: first-use check: share of code words that must equal the codec's encode (norms may differ by one
+#: bfloat16 ulp on a handful of vectors, which re-codes those vectors)
+MIN_EQUAL_WORDS = 0.98
+
+
+def supported(codec) -> str | None:
+    """None if the kernel takes ``codec``, else why not."""
+    d = codec.dim
+    if d < 32 or d > 256 or d & (d - 1):
+        return "head dim not a power of two in 32..256"
+    if codec.bits1 not in (1, 2, 4) or codec.bits2 not in (1, 2, 4):
+        return "not two-stage 1/2/4-bit codes"
+    return None
+
+
+def _kernel():
+    global _kernel_fn
+    if _kernel_fn is None:
+        prelude = fused.load_source("rvq_prelude_cuda.cuh")
+        header = prelude + "\n" + fused.load_source("rvq_common.h")
+        body = fused.load_source("rvq_attend_body_prelude_cuda.inc") + fused.load_source("rvq_append.inc")
+        digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
+        _kernel_fn = mx.fast.cuda_kernel(
+            name=f"rvq_append_{digest}", input_names=["k", "v", "sg", "tab", "lim", "params"],
+            output_names=["ks", "k1", "k2", "vs", "v1", "v2"], source=body, header=header,
+            ensure_row_contiguous=True)
+    return _kernel_fn
+
+
+class _Setup:
+    """What a launch for one codec needs, made once: the encode table, signs, limits, template."""
+
+    def __init__(self, codec):
+        plan = make_plan(codec, ENCODE)
+        if isinstance(plan, str):
+            raise ValueError(plan)
+        self.plan = plan
+        self.signs = mx.array(np.asarray(codec.signs, np.float32))
+        self.limits: dict = {}  # dtype -> [max_scale] float32
+        self.params: dict = {}  # rows -> [rows] uint32
+        self.template = [("T_D", codec.dim), ("T_B1", plan.bits1), ("T_B2", plan.bits2), ("T_MODE", plan.mode),
+                         ("T_SEARCH", plan.search), ("T_TABN", plan.tabn)]
+
+    def limit(self, codec, dtype) -> mx.array:
+        a = self.limits.get(dtype)
+        if a is None:
+            a = self.limits[dtype] = mx.array([codec.max_scale(dtype)], dtype=mx.float32)
+        return a
+
+    def rows(self, n: int) -> mx.array:
+        a = self.params.get(n)
+        if a is None:
+            if len(self.params) > 64:
+                self.params.clear()
+            a = self.params[n] = mx.array([n], dtype=mx.uint32)
+        return a
+
+
+def _setup(codec) -> _Setup:
+    s = _setups.get(codec)
+    if s is None:
+        s = _setups[codec] = _Setup(codec)
+    return s
+
+
+def launch(codec, keys: mx.array, values: mx.array) -> tuple:
+    """The kernel's ``(ks, k1, k2, vs, v1, v2)`` for ``keys``/``values`` ``(B, H, T, D)`` (no checks)."""
+    s = _setup(codec)
+    lead = tuple(keys.shape[:-1])
+    rows = int(np.prod(lead))
+    d, w1, w2 = codec.dim, codec.words1, codec.words2
+    return tuple(_kernel()(
+        inputs=[keys, values, s.signs, s.plan.tab, s.limit(codec, keys.dtype), s.rows(rows)],
+        template=s.template + [("InT", keys.dtype)],
+        grid=(2 * rows * d, 1, 1), threadgroup=(d, 1, 1),
+        output_shapes=[lead, lead + (w1,), lead + (w2,), lead, lead + (w1,), lead + (w2,)],
+        output_dtypes=[mx.bfloat16, mx.uint32, mx.uint32, mx.bfloat16, mx.uint32, mx.uint32]))
+
+
+def _config(codec, dtype) -> tuple:
+    return (codec.dim, codec.bits1, codec.bits2, codec.residual, codec.seed, str(dtype))
+
+
+def check(codec, keys: mx.array, values: mx.array, out: tuple) -> str | None:
+    """None if the kernel's ``out`` agrees with the codec's encode of the same vectors, else why not."""
+    b = keys.shape[0]
+    ref = codec.encode(mx.concatenate([keys, values], axis=0), check_finite=False)
+    want = [ref.scales[:b], ref.codes1[:b], ref.codes2[:b], ref.scales[b:], ref.codes1[b:], ref.codes2[b:]]
+    for side, got, exp in (("keys", out[:3], want[:3]), ("values", out[3:], want[3:])):
+        gn, en = np.array(mx.isnan(got[0])), np.array(mx.isnan(exp[0]))
+        gs = np.array(got[0].view(mx.uint16)).astype(np.int64)
+        es = np.array(exp[0].view(mx.uint16)).astype(np.int64)
+        if not np.array_equal(gn, en) or np.abs(gs - es)[~en].max(initial=0) > 1:
+            return f"{side}: norms differ by more than one bfloat16 ulp"
+        words = [np.array(g) == np.array(e) for g, e in zip(got[1:], exp[1:])]
+        share = sum(w.sum() for w in words) / max(1, sum(w.size for w in words))
+        if share < MIN_EQUAL_WORDS:
+            return f"{side}: only {share:.1%} of the code words equal the codec's encode"
+    return None
+
+
+def append(codec, keys: mx.array, values: mx.array) -> tuple | None:
+    """``(ks, k1, k2, vs, v1, v2)`` of the new tokens from one launch, or None where the kernel does
+    not serve the call (no CUDA device, a configuration it does not take, latched off)."""
+    if fused.gpu_backend() != "cuda" or not fused._on_gpu():
+        return None
+    if values.dtype != keys.dtype or keys.shape != values.shape or keys.shape[-1] != codec.dim:
+        return None
+    config = _config(codec, keys.dtype)
+    if config in _disabled or (config not in _verified and supported(codec) is not None):
+        return None
+    try:
+        out = launch(codec, keys, values)
+        if config not in _verified:  # first use: build, run, compare with the codec's encode
+            mx.eval(out)
+            why = check(codec, keys, values, out)
+            if why is not None:
+                raise RuntimeError(f"first-use check failed: {why}")
+            with _lock:
+                _verified.add(config)
+        return out
+    except Exception as err:  # a kernel that cannot build, run or agree: latch off, say so once
+        with _lock:
+            _disabled[config] = f"{type(err).__name__}: {err}"
+        log.warning("fused append kernel switched off for %s; using the codec's encode: %s", config, err)
+        return None
+
+
+def disabled() -> dict:
+    with _lock:
+        return dict(_disabled)

@@ -1,0 +1,93 @@
+"""The fused append (kernels/rvq_append.inc, rvqstore.cache_append): one launch encodes a step's keys
+and values. On the GPU it must agree with the codec's encode (norms within one bfloat16 ulp, nearly
+every code word equal: only the order of the norm's sum may differ), serve packed caches, and leave
+them reading back what the codec decodes. With RVQ_ATTN_PARITY_REPORT=path each GPU comparison
+appends a line there (tools/results/gpu-parity-attention.txt)."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from rvqstore import RVQCodec, RVQKVCache, cache_append
+from rvqstore.codec import EncodedVectors
+
+REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
+
+
+def test_supported_configurations():
+    assert cache_append.supported(RVQCodec(128, (2, 2))) is None
+    assert cache_append.supported(RVQCodec(96, (2, 2))) is not None  # not a power of two
+    assert cache_append.supported(RVQCodec(128, (4, 0))) is not None  # single stage
+    assert cache_append.supported(RVQCodec(128, (3, 1))) is not None  # 3-bit codes
+
+
+def test_declines_off_cuda():
+    if mx.default_device().type == mx.DeviceType.gpu and cache_append.fused.gpu_backend() == "cuda":
+        pytest.skip("a CUDA device serves the call")
+    k = mx.zeros((1, 2, 3, 128), mx.float16)
+    assert cache_append.append(RVQCodec(128, (2, 2)), k, k) is None
+
+
+CASES = [  # (bits, residual, d, dtype, heads, tokens)
+    ((2, 2), "conditional", 128, mx.float16, 8, 1),
+    ((2, 2), "conditional", 128, mx.float16, 8, 700),
+    ((4, 2), "conditional", 128, mx.bfloat16, 4, 33),
+    ((2, 2), "shared", 64, mx.float32, 3, 17),
+    ((1, 1), "conditional", 256, mx.float16, 2, 5),
+    ((4, 4), "conditional", 32, mx.float32, 2, 9),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0][0]}+{c[0][1]}-{c[1][:4]}-d{c[2]}-{c[3]}-h{c[4]}-t{c[5]}")
+def test_gpu_fused_append_agrees_with_the_codec(case):
+    if cache_append.fused.gpu_backend() != "cuda":
+        pytest.skip("the fused append is CUDA only")
+    bits, residual, d, dtype, h, t = case
+    rng = np.random.default_rng(d + t)
+    x = rng.standard_normal((2, 1, h, t, d)).astype(np.float32) * 3.0
+    x[0, 0, 0, 0] = np.nan  # a non-finite vector: NaN norm and the zero vector's codes, as the codec
+    k, v = (mx.array(a).astype(dtype) for a in x)
+    codec = RVQCodec(d, bits, 0, residual)
+    out = cache_append.launch(codec, k, v)
+    mx.eval(out)
+    why = cache_append.check(codec, k, v, out)
+    ref = codec.encode(mx.concatenate([k, v]), check_finite=False)
+    got_scales = mx.concatenate([out[0], out[3]])
+    exact = float(mx.mean(mx.concatenate([out[1], out[4]]) == ref.codes1).item())
+    same_scale = float(mx.mean(got_scales.view(mx.uint16) == ref.scales.view(mx.uint16)).item())
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(f"append-vs-encode\t{'pass' if why is None else 'FAIL'}\t{case[:2]} d={d} {dtype} h={h} t={t} "
+                    f"equal codes1 words={exact:.5f} equal norms={same_scale:.5f}\n")
+    assert why is None, why
+    assert bool(mx.isnan(out[0][0, 0, 0]).item())
+    # what the cache reads back is the codec's decode of the kernel's codes
+    dec = codec.decode(EncodedVectors(out[0], out[1], out[2], dtype))
+    err = float(mx.abs(dec[:, 1:].astype(mx.float32) - k[:, 1:].astype(mx.float32)).max())
+    assert err < 0.8 * float(mx.abs(k[:, 1:].astype(mx.float32)).max())
+
+
+@pytest.mark.gpu
+def test_gpu_packed_cache_steps_through_the_fused_append():
+    if cache_append.fused.gpu_backend() != "cuda":
+        pytest.skip("the fused append is CUDA only")
+    rng = np.random.default_rng(0)
+    k = mx.array(rng.standard_normal((1, 4, 40, 128)).astype(np.float16))
+    v = mx.array(rng.standard_normal((1, 4, 40, 128)).astype(np.float16))
+    c = RVQKVCache((2, 2))
+    c.update_and_fetch(k[:, :, :30], v[:, :, :30])
+    for i in range(30, 40):
+        kk, vv = c.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
+    assert not cache_append.disabled() and cache_append._verified
+    codec = c._keys.codec
+    ks, k1, k2 = c._keys.used()
+    want = codec.decode(EncodedVectors(ks, k1, k2, mx.float16))
+    assert mx.array_equal(kk, want)
+    # the codes agree with the codec's own encode of the same tokens (nearly every word)
+    ref = codec.encode(k, check_finite=False)
+    assert float(mx.mean(k1 == ref.codes1).item()) >= cache_append.MIN_EQUAL_WORDS
