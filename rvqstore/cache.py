@@ -267,13 +267,24 @@ class RVQKVCache:
         return not self._steps_off and self._keys.codec.bits2 > 0 and self._joint()
 
     def _kernel_append(self, keys: mx.array, values: mx.array) -> bool:
-        """Packed mode on a CUDA device: encode through one fused launch (rvqstore.cache_append)."""
-        if self.mode != "packed" or not self.use_kernels or self._keys.codec.bits2 == 0:
+        """On a CUDA device: encode (resident: and decode) through one fused launch (rvqstore.cache_append)."""
+        k = self._keys
+        if not self.use_kernels or k.codec.bits2 == 0:
             return False
-        out = cache_append.append(self._keys.codec, keys, values)
+        resident = self.mode == "resident"
+        if resident and self._res_k is None and k.n:  # the decoded copy must cover every coded token
+            return False
+        out = cache_append.append(k.codec, keys, values, resident)
         if out is None:
             return False
-        self._write_codes(out, keys.shape[2])
+        n, t = k.n, keys.shape[2]
+        if resident:
+            self._grow_resident(n, n + t)
+        self._write_codes(out, t)
+        if resident:
+            self._res_k[:, :, n:n + t] = out[6]
+            self._res_v[:, :, n:n + t] = out[7]
+            self._resident_written = True
         return True
 
     def _write_codes(self, out: tuple, t: int) -> None:

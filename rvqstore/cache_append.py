@@ -29,12 +29,13 @@ import mlx.core as mx
 import numpy as np
 
 from . import fused
-from .kernel_plan import ENCODE, make_plan
+from .codec import EncodedVectors
+from .kernel_plan import DECODE, ENCODE, make_plan
 
 log = logging.getLogger("rvqstore.kernels")
 
 _lock = threading.Lock()
-_kernel_fn = None
+_kernel_fns: dict = {}  # resident (bool) -> kernel
 _disabled: dict = {}  # configuration -> why the kernel is off for it
 _verified: set = set()
 _setups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -54,18 +55,20 @@ def supported(codec) -> str | None:
     return None
 
 
-def _kernel():
-    global _kernel_fn
-    if _kernel_fn is None:
+def _kernel(resident: bool):
+    k = _kernel_fns.get(resident)
+    if k is None:
         prelude = fused.load_source("rvq_prelude_cuda.cuh")
-        header = prelude + "\n" + fused.load_source("rvq_common.h")
+        header = (prelude + ("\n#define RVQ_APPEND_RESIDENT 1\n" if resident else "\n")
+                  + fused.load_source("rvq_common.h"))
         body = fused.load_source("rvq_attend_body_prelude_cuda.inc") + fused.load_source("rvq_append.inc")
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
-        _kernel_fn = mx.fast.cuda_kernel(
-            name=f"rvq_append_{digest}", input_names=["k", "v", "sg", "tab", "lim", "params"],
-            output_names=["ks", "k1", "k2", "vs", "v1", "v2"], source=body, header=header,
-            ensure_row_contiguous=True)
-    return _kernel_fn
+        k = _kernel_fns[resident] = mx.fast.cuda_kernel(
+            name=f"rvq_append{'_res' if resident else ''}_{digest}",
+            input_names=["k", "v", "sg", "tab", "dtab", "lim", "params"],
+            output_names=["ks", "k1", "k2", "vs", "v1", "v2"] + (["rk", "rv"] if resident else []),
+            source=body, header=header, ensure_row_contiguous=True)
+    return k
 
 
 class _Setup:
@@ -76,11 +79,15 @@ class _Setup:
         if isinstance(plan, str):
             raise ValueError(plan)
         self.plan = plan
+        dplan = make_plan(codec, DECODE)
+        if isinstance(dplan, str):
+            raise ValueError(dplan)
+        self.dtab = dplan.tab
         self.signs = mx.array(np.asarray(codec.signs, np.float32))
         self.limits: dict = {}  # dtype -> [max_scale] float32
         self.params: dict = {}  # rows -> [rows] uint32
         self.template = [("T_D", codec.dim), ("T_B1", plan.bits1), ("T_B2", plan.bits2), ("T_MODE", plan.mode),
-                         ("T_SEARCH", plan.search), ("T_TABN", plan.tabn)]
+                         ("T_SEARCH", plan.search), ("T_TABN", plan.tabn), ("T_DTABN", dplan.tabn)]
 
     def limit(self, codec, dtype) -> mx.array:
         a = self.limits.get(dtype)
@@ -104,18 +111,24 @@ def _setup(codec) -> _Setup:
     return s
 
 
-def launch(codec, keys: mx.array, values: mx.array) -> tuple:
-    """The kernel's ``(ks, k1, k2, vs, v1, v2)`` for ``keys``/``values`` ``(B, H, T, D)`` (no checks)."""
+_DTYPES = [mx.bfloat16, mx.uint32, mx.uint32, mx.bfloat16, mx.uint32, mx.uint32]
+
+
+def launch(codec, keys: mx.array, values: mx.array, resident: bool = False) -> tuple:
+    """The kernel's ``(ks, k1, k2, vs, v1, v2)`` for ``keys``/``values`` ``(B, H, T, D)`` (no checks);
+    ``resident``: then also the decoded keys and values ``(B, H, T, D)`` in their dtype."""
     s = _setup(codec)
     lead = tuple(keys.shape[:-1])
     rows = int(np.prod(lead))
     d, w1, w2 = codec.dim, codec.words1, codec.words2
-    return tuple(_kernel()(
-        inputs=[keys, values, s.signs, s.plan.tab, s.limit(codec, keys.dtype), s.rows(rows)],
+    shapes = [lead, lead + (w1,), lead + (w2,), lead, lead + (w1,), lead + (w2,)]
+    dtypes = _DTYPES
+    if resident:
+        shapes, dtypes = shapes + [keys.shape, keys.shape], dtypes + [keys.dtype, keys.dtype]
+    return tuple(_kernel(resident)(
+        inputs=[keys, values, s.signs, s.plan.tab, s.dtab, s.limit(codec, keys.dtype), s.rows(rows)],
         template=s.template + [("InT", keys.dtype)],
-        grid=(2 * rows * d, 1, 1), threadgroup=(d, 1, 1),
-        output_shapes=[lead, lead + (w1,), lead + (w2,), lead, lead + (w1,), lead + (w2,)],
-        output_dtypes=[mx.bfloat16, mx.uint32, mx.uint32, mx.bfloat16, mx.uint32, mx.uint32]))
+        grid=(2 * rows * d, 1, 1), threadgroup=(d, 1, 1), output_shapes=shapes, output_dtypes=dtypes))
 
 
 def _config(codec, dtype) -> tuple:
@@ -137,21 +150,27 @@ def check(codec, keys: mx.array, values: mx.array, out: tuple) -> str | None:
         share = sum(w.sum() for w in words) / max(1, sum(w.size for w in words))
         if share < MIN_EQUAL_WORDS:
             return f"{side}: only {share:.1%} of the code words equal the codec's encode"
+    if len(out) == 8:  # resident: the decoded copies must be the codec's decode of these very codes
+        for side, codes, dec in (("keys", out[:3], out[6]), ("values", out[3:6], out[7])):
+            want = codec.decode(EncodedVectors(*codes, keys.dtype))
+            if not bool(mx.array_equal(dec, want, equal_nan=True).item()):
+                return f"{side}: the decoded copy differs from the codec's decode of its codes"
     return None
 
 
-def append(codec, keys: mx.array, values: mx.array) -> tuple | None:
-    """``(ks, k1, k2, vs, v1, v2)`` of the new tokens from one launch, or None where the kernel does
-    not serve the call (no CUDA device, a configuration it does not take, latched off)."""
+def append(codec, keys: mx.array, values: mx.array, resident: bool = False) -> tuple | None:
+    """``(ks, k1, k2, vs, v1, v2)`` of the new tokens from one launch (``resident``: and their decoded
+    keys and values), or None where the kernel does not serve the call (no CUDA device, a
+    configuration it does not take, latched off)."""
     if fused.gpu_backend() != "cuda" or not fused._on_gpu():
         return None
     if values.dtype != keys.dtype or keys.shape != values.shape or keys.shape[-1] != codec.dim:
         return None
-    config = _config(codec, keys.dtype)
+    config = _config(codec, keys.dtype) + (resident,)
     if config in _disabled or (config not in _verified and supported(codec) is not None):
         return None
     try:
-        out = launch(codec, keys, values)
+        out = launch(codec, keys, values, resident)
         if config not in _verified:  # first use: build, run, compare with the codec's encode
             mx.eval(out)
             why = check(codec, keys, values, out)

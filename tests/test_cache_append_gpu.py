@@ -73,21 +73,24 @@ def test_gpu_fused_append_agrees_with_the_codec(case):
 
 
 @pytest.mark.gpu
-def test_gpu_packed_cache_steps_through_the_fused_append():
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+def test_gpu_cache_steps_through_the_fused_append(mode):
     if cache_append.fused.gpu_backend() != "cuda":
         pytest.skip("the fused append is CUDA only")
     rng = np.random.default_rng(0)
     k = mx.array(rng.standard_normal((1, 4, 40, 128)).astype(np.float16))
     v = mx.array(rng.standard_normal((1, 4, 40, 128)).astype(np.float16))
-    c = RVQKVCache((2, 2))
+    c = RVQKVCache((2, 2), mode=mode)
     c.update_and_fetch(k[:, :, :30], v[:, :, :30])
     for i in range(30, 40):
         kk, vv = c.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
-    assert not cache_append.disabled() and cache_append._verified
+    assert not cache_append.disabled() and any(cfg[-1] == (mode == "resident") for cfg in cache_append._verified)
     codec = c._keys.codec
     ks, k1, k2 = c._keys.used()
-    want = codec.decode(EncodedVectors(ks, k1, k2, mx.float16))
-    assert mx.array_equal(kk, want)
+    vs, v1, v2 = c._values.used()
+    # resident: the kernel's decoded copy is bit-identical to decoding the stored codes
+    assert mx.array_equal(kk, codec.decode(EncodedVectors(ks, k1, k2, mx.float16)))
+    assert mx.array_equal(vv, codec.decode(EncodedVectors(vs, v1, v2, mx.float16)))
     # the codes agree with the codec's own encode of the same tokens (nearly every word)
     ref = codec.encode(k, check_finite=False)
     assert float(mx.mean(k1 == ref.codes1).item()) >= cache_append.MIN_EQUAL_WORDS
