@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import weakref
 
@@ -88,6 +89,34 @@ class _Setup:
         self.params: dict = {}  # rows -> [rows] uint32
         self.template = [("T_D", codec.dim), ("T_B1", plan.bits1), ("T_B2", plan.bits2), ("T_MODE", plan.mode),
                          ("T_SEARCH", plan.search), ("T_TABN", plan.tabn), ("T_DTABN", dplan.tabn)]
+        self.configs: dict = {}  # (dtype, resident) -> the configuration's key in _verified/_disabled
+        self.calls: dict = {}  # (shape, dtype, resident) -> the launch's keyword arguments but inputs
+        self.config_base = (codec.dim, codec.bits1, codec.bits2, codec.residual, codec.seed)
+
+    def config(self, dtype, resident: bool) -> tuple:
+        c = self.configs.get((dtype, resident))
+        if c is None:
+            c = self.configs[(dtype, resident)] = self.config_base + (str(dtype), resident)
+        return c
+
+    def call(self, codec, shape: tuple, dtype, resident: bool) -> dict:
+        """The launch's arguments for keys of ``shape`` and ``dtype`` (made once per shape)."""
+        key = (shape, dtype, resident)
+        kw = self.calls.get(key)
+        if kw is None:
+            lead = tuple(shape[:-1])
+            rows = math.prod(lead)
+            d, w1, w2 = codec.dim, codec.words1, codec.words2
+            shapes = [lead, lead + (w1,), lead + (w2,), lead, lead + (w1,), lead + (w2,)]
+            dtypes = list(_DTYPES)
+            if resident:
+                shapes, dtypes = shapes + [tuple(shape)] * 2, dtypes + [dtype, dtype]
+            if len(self.calls) > 64:
+                self.calls.clear()
+            kw = self.calls[key] = dict(
+                template=self.template + [("InT", dtype)], grid=(2 * rows * d, 1, 1), threadgroup=(d, 1, 1),
+                output_shapes=shapes, output_dtypes=dtypes, rows=self.rows(rows), limit=self.limit(codec, dtype))
+        return kw
 
     def limit(self, codec, dtype) -> mx.array:
         a = self.limits.get(dtype)
@@ -104,10 +133,18 @@ class _Setup:
         return a
 
 
-def _setup(codec) -> _Setup:
-    s = _setups.get(codec)
-    if s is None:
-        s = _setups[codec] = _Setup(codec)
+_MISSING = object()
+
+
+def _setup(codec) -> _Setup | None:
+    """The codec's launch setup, or None where the kernel does not take the codec (decided once)."""
+    s = _setups.get(codec, _MISSING)
+    if s is _MISSING:
+        try:
+            s = _Setup(codec) if supported(codec) is None else None
+        except ValueError:  # malformed tables: make_plan refused them
+            s = None
+        _setups[codec] = s
     return s
 
 
@@ -118,21 +155,13 @@ def launch(codec, keys: mx.array, values: mx.array, resident: bool = False) -> t
     """The kernel's ``(ks, k1, k2, vs, v1, v2)`` for ``keys``/``values`` ``(B, H, T, D)`` (no checks);
     ``resident``: then also the decoded keys and values ``(B, H, T, D)`` in their dtype."""
     s = _setup(codec)
-    lead = tuple(keys.shape[:-1])
-    rows = int(np.prod(lead))
-    d, w1, w2 = codec.dim, codec.words1, codec.words2
-    shapes = [lead, lead + (w1,), lead + (w2,), lead, lead + (w1,), lead + (w2,)]
-    dtypes = _DTYPES
-    if resident:
-        shapes, dtypes = shapes + [keys.shape, keys.shape], dtypes + [keys.dtype, keys.dtype]
+    if s is None:
+        raise ValueError(f"the fused append does not take {codec!r}: {supported(codec)}")
+    kw = s.call(codec, tuple(keys.shape), keys.dtype, resident)
     return tuple(_kernel(resident)(
-        inputs=[keys, values, s.signs, s.plan.tab, s.dtab, s.limit(codec, keys.dtype), s.rows(rows)],
-        template=s.template + [("InT", keys.dtype)],
-        grid=(2 * rows * d, 1, 1), threadgroup=(d, 1, 1), output_shapes=shapes, output_dtypes=dtypes))
-
-
-def _config(codec, dtype) -> tuple:
-    return (codec.dim, codec.bits1, codec.bits2, codec.residual, codec.seed, str(dtype))
+        inputs=[keys, values, s.signs, s.plan.tab, s.dtab, kw["limit"], kw["rows"]], template=kw["template"],
+        grid=kw["grid"], threadgroup=kw["threadgroup"], output_shapes=kw["output_shapes"],
+        output_dtypes=kw["output_dtypes"]))
 
 
 def check(codec, keys: mx.array, values: mx.array, out: tuple) -> str | None:
@@ -166,8 +195,11 @@ def append(codec, keys: mx.array, values: mx.array, resident: bool = False) -> t
         return None
     if values.dtype != keys.dtype or keys.shape != values.shape or keys.shape[-1] != codec.dim:
         return None
-    config = _config(codec, keys.dtype) + (resident,)
-    if config in _disabled or (config not in _verified and supported(codec) is not None):
+    s = _setup(codec)
+    if s is None:
+        return None
+    config = s.config(keys.dtype, resident)
+    if config in _disabled:
         return None
     try:
         out = launch(codec, keys, values, resident)
