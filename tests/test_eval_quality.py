@@ -269,7 +269,10 @@ def test_protocols_score_the_second_half_like_one_full_pass(tiny, protocol, chun
 
     lp = P.next_token_logprobs(tiny, ids, [KVCache() for _ in tiny.layers], protocol, chunk)
     assert lp.shape == (25, 128)
-    np.testing.assert_allclose(np.array(lp), np.array(full[24:49]), atol=1e-4)
+    # float32 rounding on the CPU; MLX's CUDA backend runs float32 matmuls at TF32 precision (10-bit
+    # mantissa: differences up to ~3e-3 measured on the H200, tools/results/suite-gpu.txt)
+    atol = 1e-4 if mx.default_device() == mx.cpu else 1e-2
+    np.testing.assert_allclose(np.array(lp), np.array(full[24:49]), atol=atol)
     with pytest.raises(ValueError, match="protocol must be one of"):
         P.next_token_logprobs(tiny, ids, [], "whole")
 

@@ -18,6 +18,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from store_helpers import S3_OPTS, kv_cache, s3_client, start_moto, tiny_model, tokens  # noqa: E402
+from subprocess_env import python_path  # noqa: E402
 
 pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
 pytest.importorskip("moto", reason="moto[server] is not installed")
@@ -50,7 +51,7 @@ def store(url, endpoint, model, **kw):
 
 
 def worker(spec, endpoint, url):
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    env = dict(os.environ, PYTHONPATH=python_path(HERE.parent))
     return subprocess.Popen([sys.executable, str(HERE / "store_helpers.py"),
                              json.dumps(dict(spec, endpoint=endpoint, url=url, block_size=BLOCK))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -157,7 +158,7 @@ def test_eviction_under_a_budget_then_a_restart_finds_what_is_left(endpoint, mod
     assert restarted.longest_prefix(ps["a"])[0] == 48 and restarted.longest_prefix(ps["c"])[0] == 48
     assert restarted.du() == budget and all_good(restarted)
     env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
-               PYTHONPATH=str(HERE.parent))
+               PYTHONPATH=python_path(HERE.parent))
     r = subprocess.run([sys.executable, "-m", "rvqstore", "store", "ls", "--json", url], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from subprocess_env import python_path
 
 pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +51,7 @@ def free_port() -> int:
 class Server:
     def __init__(self, store: Path, log: Path):
         self.port = free_port()
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=python_path(ROOT))
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rvqstore", "serve", "--store", str(store), "--host", "127.0.0.1",
