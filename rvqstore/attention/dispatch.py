@@ -1,6 +1,7 @@
 """Which formulation serves one attention call on a packed cache.
 
 - the GPU kernel (:mod:`rvqstore.attention.kernel`) for decode-shaped calls on a GPU backend;
+- on MLX's CPU backend, the same formulation computed on the host (:mod:`rvqstore.attention.host`);
 - the MLX-ops formulation (:mod:`rvqstore.attention.ops`) up to :data:`MAX_QUERIES_ON_CODES` queries;
 - otherwise None: the caller runs decode-then-SDPA on the keys/values ``update_and_fetch`` returned.
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import masks, ops
+from . import host, masks, ops
 from .view import CodesView
 
 #: queries per call up to which attention runs on the codes; above it, decode-then-SDPA. Measured on
@@ -32,6 +33,10 @@ def attend(view: CodesView, queries: mx.array, scale: float, mask=None, sinks=No
         from . import kernel
 
         out = kernel.attend(view, queries, scale, mask, sinks)
+        if out is not None:
+            return out
+    if host.on_cpu():
+        out = host.attend(view, queries, scale, mask, sinks)
         if out is not None:
             return out
     return ops.attend(view, queries, scale, mask, sinks)
