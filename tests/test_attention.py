@@ -220,3 +220,96 @@ def test_resumed_packed_cache_attends_from_the_files_codes(tmp_path):
         assert b.mode == "packed" and b._res_k is None and b.n_coded == 77
         assert b.nbytes == b.packed_nbytes  # codes and scales only: nothing was decoded
         assert mx.array_equal(a.attend_on_codes(q, scale=0.125), b.attend_on_codes(q, scale=0.125))
+
+
+# ---- the CPU formulations: host (numpy) and MLX ops, each against decode-then-SDPA --------------------------
+def _engines(view, q, scale, mask, sinks=None):
+    """Both formulations on one call: ``{"host": out or None, "ops": out}``."""
+    from rvqstore.attention import host
+
+    return {"host": host.attend(view, q, scale, mask, sinks), "ops": ops.attend(view, q, scale, mask, sinks)}
+
+
+@pytest.mark.parametrize("d,hkv,group,n,window,bits", [
+    (64, 3, 3, 41, 0, (2, 2)), (64, 3, 3, 1, 0, (4, 2)), (128, 1, 4, 67, 8, (4, 2)), (64, 2, 1, 23, 4, (2, 2)),
+    (128, 2, 3, 19, 0, (3, 1)), (64, 1, 4, 33, 0, (4, 4)), (64, 2, 3, 29, 0, (1, 2)), (64, 1, 1, 17, 0, 2),
+])
+def test_host_and_ops_formulations_match_decode_then_sdpa(d, hkv, group, n, window, bits):
+    """Every config through both engines directly (dispatch would hide one of them): GQA 1/3/4, dims
+    64/128, odd lengths, windows, bits 2+2/4+2/4+4/1+2/2 and 3+1 (no group tables: the host path
+    declines and the ops path serves)."""
+    cache = RVQKVCache(bits, dense_window=window, flush_block=4)
+    k, v = _kv(1, hkv, n, d, mx.float32, seed=n + d)
+    K, V = cache.update_and_fetch(k, v)
+    view = cache.codes_view()
+    q = mx.array(np.random.default_rng(n).standard_normal((1, hkv * group, 1, d)).astype(np.float32))
+    for mask in (None, "causal", create_causal_mask(1, n - 1, window_size=5)):
+        ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=d ** -0.5, mask=mask)
+        got = _engines(view, q, d ** -0.5, mask)
+        assert (got["host"] is None) == (bits == (3, 1))
+        for name, out in got.items():
+            if out is not None:
+                err = float(mx.abs(out - ref).max())
+                assert out.shape == ref.shape and out.dtype == ref.dtype and err <= _tolerance(mx.float32, V, ref), (name, err)
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_host_and_ops_with_several_queries_masks_batches_and_sinks(window, monkeypatch):
+    from rvqstore.attention import host
+
+    monkeypatch.setattr(host, "BLOCK", 16)  # several blocks, the last one partial (51 - 8 = 43 coded)
+    b, hkv, group, d, n, L = 2, 2, 3, 64, 51, 5
+    cache = RVQKVCache((4, 2), dense_window=window, flush_block=4)
+    k, v = _kv(b, hkv, n, d, mx.float16, seed=13)
+    K, V = cache.update_and_fetch(k, v)
+    view = cache.codes_view()
+    q = mx.array(np.random.default_rng(14).standard_normal((b, hkv * group, L, d)).astype(np.float32)).astype(mx.float16)
+    sinks = mx.array(np.random.default_rng(15).standard_normal(hkv * group).astype(np.float32)).astype(mx.float16)
+    additive = mx.where(create_causal_mask(L, n - L), 0.0, -1e9).astype(mx.float16)
+    per_head = mx.broadcast_to(create_causal_mask(L, n - L, window_size=7), (b, hkv * group, L, n))
+    for mask, s in (("causal", None), (create_causal_mask(L, n - L, window_size=7), None), (additive, None),
+                    (per_head, None), ("causal", sinks)):
+        ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=0.125, mask=mask, sinks=s)
+        for name, out in _engines(view, q, 0.125, mask, s).items():
+            err = float(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max())
+            assert out.dtype == mx.float16 and err <= _tolerance(mx.float16, V, ref), (name, err)
+
+
+def test_host_path_declines_under_function_transformations():
+    """Inside mx.compile arrays cannot be evaluated: the host path returns None and the call is served
+    by the MLX-ops formulation, with the same result as the eager (host) call."""
+    from rvqstore.attention import host
+
+    cache = RVQKVCache((2, 2))
+    K, V = cache.update_and_fetch(*_kv(1, 3, 45, 64, mx.float32, seed=21))
+    q = mx.array(np.random.default_rng(22).standard_normal((1, 9, 1, 64)).astype(np.float32))
+    seen = []
+
+    def traced(x):
+        seen.append(host.attend(cache.codes_view(), x, 0.125))
+        return cache.attend_on_codes(x, scale=0.125)
+
+    compiled = mx.compile(traced)(q)
+    assert seen == [None]
+    eager = cache.attend_on_codes(q, scale=0.125)
+    ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=0.125)
+    assert float(mx.abs(compiled - ref).max()) <= _tolerance(mx.float32, V, ref)
+    assert float(mx.abs(eager - ref).max()) <= _tolerance(mx.float32, V, ref)
+
+
+def test_host_path_keeps_numpys_blas_to_one_thread_and_restores_it():
+    from rvqstore.attention import host_blas
+
+    api = host_blas._functions()
+    if sys.platform.startswith("linux"):  # numpy's Linux wheels bundle OpenBLAS: it must be found
+        assert api, "numpy's OpenBLAS was not found"
+    if api:
+        get, set_ = api
+        before = get()
+        set_(2)
+        try:
+            with host_blas.one_thread():
+                assert get() == 1
+            assert get() == 2
+        finally:
+            set_(before)

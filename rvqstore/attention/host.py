@@ -20,7 +20,6 @@ calls, and codecs without group tables (3-bit stages), go to :mod:`.ops` (:func:
 from __future__ import annotations
 
 import threading
-import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -30,7 +29,7 @@ from ..errors import InputShapeError
 from . import host_blas, masks
 from .view import CodesView
 
-_consts: "weakref.WeakKeyDictionary[RVQCodec, tuple]" = weakref.WeakKeyDictionary()
+_consts: dict = {}  # codec settings -> constants; a few entries per process (one per distinct codec)
 
 
 def on_cpu() -> bool:
@@ -39,22 +38,25 @@ def on_cpu() -> bool:
 
 
 def _codec_consts(codec: RVQCodec, two_stage: bool) -> tuple | None:
-    """Per codec, built once: ``(table (N, g) float32, g, forward M, inverse M.T / dim, signs)``;
-    None where the codec has no group table (3-bit stages)."""
-    per = _consts.setdefault(codec, {})
-    if two_stage in per:
-        return per[two_stage]
+    """``(table (N, g) float32, g, forward M, inverse M.T / dim, signs)``, built once per codec
+    settings (every layer's codec shares them: a resumed file's first step would otherwise build a
+    table per layer side, 6 ms each at 2+2); None where the codec has no group table (3-bit stages)."""
+    key = (codec.dim, codec.bits, codec.residual, two_stage, codec.centroids1.tobytes(),
+           b"" if codec.centroids2 is None else codec.centroids2.tobytes(), codec.signs.tobytes())
+    if key in _consts:
+        return _consts[key]
     lut = codec._group_lut(two_stage)
     if lut is None:
-        return None
-    eye = mx.eye(codec.dim, dtype=mx.float32)
-    from .. import hadamard
+        got = None
+    else:
+        from .. import hadamard
 
-    fwd = np.array(hadamard.forward(eye))  # x @ fwd == hadamard.forward(x)
-    inv = np.array(hadamard.inverse(eye, 1.0 / codec.dim))
-    table = np.array(lut[0])
-    got = (table, lut[1], fwd, inv, np.asarray(codec.signs, dtype=np.float32))
-    per[two_stage] = got
+        eye = mx.eye(codec.dim, dtype=mx.float32)
+        got = (np.array(lut[0]), lut[1], np.array(hadamard.forward(eye)),  # x @ M == hadamard.forward(x)
+               np.array(hadamard.inverse(eye, 1.0 / codec.dim)), np.asarray(codec.signs, dtype=np.float32))
+    if len(_consts) >= 64:  # many distinct codecs (e.g. seeds in tests): start over, never grow unbounded
+        _consts.clear()
+    _consts[key] = got
     return got
 
 
@@ -77,35 +79,38 @@ def _buffer(name: str, shape: tuple, dtype) -> np.ndarray:
 
 def _index(c1: np.ndarray, c2: np.ndarray | None, codec: RVQCodec, g: int, ng: int) -> np.ndarray:
     """The group-table index of every ``g`` coordinates: stage-1 fields, stage-2 fields above them
-    (the layout of :meth:`RVQCodec._group_lut`), as ``intp`` (numpy's fast take)."""
+    (the layout of :meth:`RVQCodec._group_lut`; at most 16 bits), built in uint16 and handed to
+    ``take`` as ``intp`` (numpy converts any other index type into a fresh array on every call)."""
     lead = c1.shape[:-1]
-    idx = _buffer("idx", lead + (ng,), np.intp)
-    _fields_into(c1, g * codec.bits1, ng, idx, shift=0)
-    if c2 is not None:
-        _fields_into(c2, g * codec.bits2, ng, idx, shift=g * codec.bits1)
+    w1 = g * codec.bits1
+    idx16 = _buffer("idx16", lead + (ng,), np.uint16)
+    if c2 is not None and w1 == 8:  # 4+x, 2+2, 1+1: stage 1 is the low byte, stage 2 the high one
+        lo_hi = idx16.view(np.uint8).reshape(lead + (ng, 2))
+        _fields(c1, 8, ng, lo_hi[..., 0])
+        _fields(c2, g * codec.bits2, ng, lo_hi[..., 1])
+    else:
+        _fields(c1, w1, ng, idx16)
+        if c2 is not None:
+            tmp = _buffer("stage2", idx16.shape, np.uint16)
+            _fields(c2, g * codec.bits2, ng, tmp)
+            np.left_shift(tmp, w1, out=tmp)
+            np.bitwise_or(idx16, tmp, out=idx16)
+    idx = _buffer("idx", idx16.shape, np.intp)
+    np.copyto(idx, idx16)
     return idx
 
 
-def _fields_into(words: np.ndarray, width: int, ng: int, idx: np.ndarray, shift: int) -> None:
-    """``idx |= field << shift`` (``idx = field`` for shift 0) for the first ``ng`` ``width``-bit fields
-    of each vector's uint32 words, LSB first (little-endian words)."""
-    lead = words.shape[:-1]
-    if width >= 8:
-        f = words.view(np.uint8 if width == 8 else np.uint16)
-    else:
-        b = words.view(np.uint8)
-        per = 8 // width
-        f = _buffer("fields", b.shape + (per,), np.uint8)
-        for j in range(per):
-            np.bitwise_and(b >> (j * width), (1 << width) - 1, out=f[..., j])
-        f = f.reshape(*lead, -1)
-    f = f[..., :ng]
-    if shift == 0:
-        np.copyto(idx, f, casting="unsafe")
-    else:
-        tmp = _buffer("shifted", idx.shape, np.intp)
-        np.left_shift(f, shift, out=tmp, dtype=np.intp, casting="unsafe")
-        np.bitwise_or(idx, tmp, out=idx)
+def _fields(words: np.ndarray, width: int, ng: int, out: np.ndarray) -> None:
+    """``out[..., k]`` = the ``k``-th ``width``-bit field (2, 4 or 8 bits) of each vector's uint32
+    words, LSB first (little-endian words), for ``k < ng``; ``out`` may be strided."""
+    b = words.view(np.uint8)
+    if width == 8:
+        np.copyto(out, b[..., :ng], casting="unsafe")
+        return
+    per = 8 // width
+    for j in range(per):  # field k = byte k // per, bits (k % per) * width
+        cnt = len(range(j, ng, per))
+        np.bitwise_and(b[..., :cnt] >> (j * width), (1 << width) - 1, out=out[..., j::per], casting="unsafe")
 
 
 def _rows(codec: RVQCodec, consts: tuple, c1: np.ndarray, c2: np.ndarray | None) -> np.ndarray:

@@ -69,6 +69,7 @@ class RVQFile:
             prev = s.offset + s.length
         self._header_pad_start = prev
         self._closed = False
+        self._codecs: dict = {}  # id(quantizer map) -> (map, codec): one codec per distinct map
 
     # ---- metadata (no data reads) -----------------------------------------------------------------
     @property
@@ -251,6 +252,16 @@ class RVQFile:
         return self._codec_from_map(self.quantizer, use_kernels=use_kernels)
 
     def _codec_from_map(self, q: dict | None, *, use_kernels: bool):
+        """The codec of a quantizer map, built once per map and ``use_kernels`` (layers that share a
+        map share the codec: its tables are built once, not once per layer side)."""
+        key = (id(q), use_kernels)
+        if key in self._codecs and self._codecs[key][0] is q:
+            return self._codecs[key][1]
+        codec = self._build_codec(q, use_kernels=use_kernels)
+        self._codecs[key] = (q, codec)
+        return codec
+
+    def _build_codec(self, q: dict | None, *, use_kernels: bool):
         from .quantizer import QUANTIZER_NAME
 
         if q is None or q.get("name") != QUANTIZER_NAME:
