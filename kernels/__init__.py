@@ -14,7 +14,8 @@ One kernel body serves two dialects: ``mx.fast.metal_kernel`` (Apple GPUs) and
   packed codes, and ``rvq_attend_merge.inc``, which merges its splits and un-rotates (both used by
   :mod:`rvqstore.attention.kernel`).
 * ``rvq_append.inc``: a cache step's new keys and values -> norms and packed codes in one launch
-  (:mod:`rvqstore.cache_append`; CUDA).
+  (:mod:`rvqstore.cache_append`; CUDA); ``rvq_unpack.inc``: a packed cache's decoded keys and
+  values in one launch (:mod:`rvqstore.cache_fetch`; CUDA).
 
 :func:`load_source` reads one of them from the installed package.
 """
@@ -37,6 +38,7 @@ SOURCES = (
     "rvq_attend.inc",
     "rvq_attend_merge.inc",
     "rvq_append.inc",
+    "rvq_unpack.inc",
 )
 
 

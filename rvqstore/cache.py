@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import attention, cache_append, cache_steps
+from . import attention, cache_append, cache_fetch, cache_steps
 from .codec import _FLOAT_DTYPES, DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError, InvalidArgumentError
 
@@ -368,13 +368,18 @@ class RVQKVCache:
         n = self.n_coded
         if self.mode == "resident" and n:
             k, v = self._res_k[:, :, :n], self._res_v[:, :, :n]
-        elif n and self._steps_ok():  # one compiled call; sliced to the used part
+        elif n and self._steps_ok():  # one launch (CUDA) or one compiled call sliced to the used part
             ks, vs = self._keys, self._values
-            fn = self._step_fns.get("decode")
-            if fn is None:
-                fn = self._step_fns["decode"] = cache_steps.decode_fn(ks.codec, self.dtype)
-            k, v = fn(ks.scales, ks.codes1, ks.codes2, vs.scales, vs.codes1, vs.codes2)
-            k, v = k[:, :, :n], v[:, :, :n]
+            kb, vb = (ks.scales, ks.codes1, ks.codes2), (vs.scales, vs.codes1, vs.codes2)
+            kv = cache_fetch.fetch(ks.codec, kb, vb, n, self.dtype) if self.use_kernels else None
+            if kv is not None:
+                k, v = kv
+            else:
+                fn = self._step_fns.get("decode")
+                if fn is None:
+                    fn = self._step_fns["decode"] = cache_steps.decode_fn(ks.codec, self.dtype)
+                k, v = fn(*kb, *vb)
+                k, v = k[:, :, :n], v[:, :, :n]
         elif n:
             k, v = self._decode_range(0, n)
         else:

@@ -1,5 +1,6 @@
 """The fused append (kernels/rvq_append.inc, rvqstore.cache_append): one launch encodes a step's keys
-and values. On the GPU it must agree with the codec's encode (norms within one bfloat16 ulp, nearly
+and values; and the unpack (kernels/rvq_unpack.inc, rvqstore.cache_fetch): one launch decodes what a
+packed cache hands back. On the GPU it must agree with the codec's encode (norms within one bfloat16 ulp, nearly
 every code word equal: only the order of the norm's sum may differ), serve packed caches, and leave
 them reading back what the codec decodes. With RVQ_ATTN_PARITY_REPORT=path each GPU comparison
 appends a line there (tools/results/gpu-parity-attention.txt)."""
@@ -12,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from rvqstore import RVQCodec, RVQKVCache, cache_append
+from rvqstore import RVQCodec, RVQKVCache, cache_append, cache_fetch
 from rvqstore.codec import EncodedVectors
 
 REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
@@ -88,7 +89,10 @@ def test_gpu_cache_steps_through_the_fused_append(mode):
     codec = c._keys.codec
     ks, k1, k2 = c._keys.used()
     vs, v1, v2 = c._values.used()
-    # resident: the kernel's decoded copy is bit-identical to decoding the stored codes
+    if mode == "packed":  # what update_and_fetch returned came from the unpack kernel (rvqstore.cache_fetch)
+        assert cache_fetch._verified and not cache_fetch.disabled()
+    # packed: the unpack kernel's output, resident: the append kernel's decoded copy; both bit-identical
+    # to decoding the stored codes
     assert mx.array_equal(kk, codec.decode(EncodedVectors(ks, k1, k2, mx.float16)))
     assert mx.array_equal(vv, codec.decode(EncodedVectors(vs, v1, v2, mx.float16)))
     # the codes agree with the codec's own encode of the same tokens (nearly every word)

@@ -1,0 +1,125 @@
+"""What a packed cache's ``update_and_fetch`` hands back, as one GPU launch (``kernels/rvq_unpack.inc``).
+
+mlx-lm's models take keys and values from ``update_and_fetch`` and pass them to attention; for a
+packed cache the hook (:mod:`rvqstore.attention.hook`) serves that call from the codes, so the
+returned decode is built every step and evaluated never. Built with MLX ops it is a compiled call of
+a dozen primitives plus two slices, a cost paid on the host per layer and step; here it is one node
+(the decoded first ``n`` tokens of the key and value buffers). Evaluated (a model that does its own
+attention math), it is bit-identical to the codec's decode: the first use of each configuration
+compares it with :func:`rvqstore.cache_steps.decode_fn` and latches the kernel off (logged once)
+where they differ. CUDA only; the configurations of :mod:`rvqstore.cache_append`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import weakref
+
+import mlx.core as mx
+import numpy as np
+
+from . import cache_append, cache_steps, fused
+from .kernel_plan import DECODE, make_plan
+
+log = logging.getLogger("rvqstore.kernels")
+
+_lock = threading.Lock()
+_kernel_fn: list = []
+_disabled: dict = {}
+_verified: set = set()
+_setups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MISSING = object()
+
+
+def _kernel():
+    if not _kernel_fn:
+        header = fused.load_source("rvq_prelude_cuda.cuh") + "\n" + fused.load_source("rvq_common.h")
+        body = fused.load_source("rvq_attend_body_prelude_cuda.inc") + fused.load_source("rvq_unpack.inc")
+        digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
+        _kernel_fn.append(mx.fast.cuda_kernel(
+            name=f"rvq_unpack_{digest}", input_names=["ks", "k1", "k2", "vs", "v1", "v2", "sg", "dtab", "params"],
+            output_names=["ko", "vo"], source=body, header=header, ensure_row_contiguous=True))
+    return _kernel_fn[0]
+
+
+class _Setup:
+    def __init__(self, codec):
+        plan = make_plan(codec, DECODE)
+        if isinstance(plan, str):
+            raise ValueError(plan)
+        self.dtab = plan.tab
+        self.signs = mx.array(np.asarray(codec.signs, np.float32))
+        self.template = [("T_D", codec.dim), ("T_B1", plan.bits1), ("T_B2", plan.bits2), ("T_MODE", plan.mode)]
+        self.params: dict = {}
+        self.configs: dict = {}
+        self.base = (codec.dim, codec.bits1, codec.bits2, codec.residual, codec.seed)
+
+    def args(self, n: int, cap: int, bh: int) -> mx.array:
+        key = (n, cap, bh)
+        a = self.params.get(key)
+        if a is None:  # one small array per token count: a decode loop makes one per step
+            if len(self.params) > 4096:
+                self.params.clear()
+            a = self.params[key] = mx.array([n, cap, bh], dtype=mx.uint32)
+        return a
+
+
+def _setup(codec):
+    s = _setups.get(codec, _MISSING)
+    if s is _MISSING:
+        try:
+            s = _Setup(codec) if cache_append.supported(codec) is None else None
+        except ValueError:
+            s = None
+        _setups[codec] = s
+    return s
+
+
+def launch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype) -> tuple[mx.array, mx.array]:
+    """Decoded keys and values ``(B, H, n, D)`` in ``dtype`` of the buffers' first ``n`` tokens."""
+    s = _setup(codec)
+    ks = key_buffers[0]
+    b, h, cap = ks.shape
+    d = codec.dim
+    out = _kernel()(
+        inputs=[*key_buffers, *value_buffers, s.signs, s.dtab, s.args(n, cap, b * h)],
+        template=s.template + [("OutT", dtype)], grid=(2 * b * h * n * d, 1, 1), threadgroup=(d, 1, 1),
+        output_shapes=[(b, h, n, d), (b, h, n, d)], output_dtypes=[dtype, dtype])
+    return out[0], out[1]
+
+
+def fetch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype) -> tuple | None:
+    """``(keys, values)`` decoded from the buffers by one launch, or None (no CUDA device, a
+    configuration the kernel does not take, latched off): then the caller decodes with MLX ops."""
+    if n == 0 or fused.gpu_backend() != "cuda" or not fused._on_gpu():
+        return None
+    s = _setup(codec)
+    if s is None:
+        return None
+    config = s.configs.get(dtype)
+    if config is None:
+        config = s.configs[dtype] = s.base + (str(dtype),)
+    if config in _disabled:
+        return None
+    try:
+        out = launch(codec, key_buffers, value_buffers, n, dtype)
+        if config not in _verified:  # first use: must equal the MLX-ops decode bit for bit
+            k, v = cache_steps.decode_fn(codec, dtype)(*key_buffers, *value_buffers)
+            same = [mx.array_equal(a, b[:, :, :n], equal_nan=True) for a, b in zip(out, (k, v))]
+            if not all(bool(x.item()) for x in same):
+                raise RuntimeError("first-use check failed: differs from the codec's decode")
+            with _lock:
+                _verified.add(config)
+        return out
+    except Exception as err:
+        with _lock:
+            _disabled[config] = f"{type(err).__name__}: {err}"
+        log.warning("fused unpack kernel switched off for %s; decoding with MLX ops: %s", config, err)
+        return None
+
+
+def disabled() -> dict:
+    with _lock:
+        return dict(_disabled)
