@@ -44,21 +44,30 @@ def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool) -> Any:
         raise RVQError(f"{where}: head dims {(layer.head_dim, layer.value_head_dim)} != quantizer dims "
                        f"{(kc.dim, vc.dim)}")
     sides = _sides(a)
-    for side, codec in (("keys", kc), ("values", vc)):  # scales must decode finite in the dtype a load returns
-        try:
-            codec.check_scales(sides[side][0], _DTYPES[layer.key_dtype])
-        except InvalidScaleError as e:
-            raise MalformedSectionError(f.path, f"{where[len(f.path) + 2:]} {side}: {e}") from None
     common = dict(keys=sides["keys"], values=sides["values"], dtype=_DTYPES[layer.key_dtype],
                   head_dims=(layer.head_dim, layer.value_head_dim), key_codec=kc, value_codec=vc,
                   **_codec_settings(kc, mode, use_kernels))
-    if layer.kind == "rvq":
-        return RVQKVCache.from_packed(dense_keys=a.get("keys.dense"), dense_values=a.get("values.dense"),
-                                      dense_window=opts["dense_window"], flush_block=opts["flush_block"], **common)
-    try:
+    try:  # from_packed checks every scale (NaN or decodable finite in the dtype): one check per side, not two
+        if layer.kind == "rvq":
+            return RVQKVCache.from_packed(dense_keys=a.get("keys.dense"), dense_values=a.get("values.dense"),
+                                          dense_window=opts["dense_window"], flush_block=opts["flush_block"], **common)
         return RVQRotatingKVCache.from_packed(offset=layer.offset, max_size=layer.max_size, keep=layer.keep, **common)
+    except InvalidScaleError:
+        _raise_scale_error(f, where, sides, kc, vc, _DTYPES[layer.key_dtype])
+        raise
     except RVQError as e:
+        if layer.kind == "rvq":
+            raise
         raise type(e)(f"{where}: {e}") from None
+
+
+def _raise_scale_error(f, where: str, sides: dict, kc, vc, dtype) -> None:
+    """The file's typed error for a refused scale, naming the layer and side (only on failure)."""
+    for side, codec in (("keys", kc), ("values", vc)):
+        try:
+            codec.check_scales(sides[side][0], dtype)
+        except InvalidScaleError as e:
+            raise MalformedSectionError(f.path, f"{where[len(f.path) + 2:]} {side}: {e}") from None
 
 
 def decode_snapshot(f, *, mode: str, opts: dict, use_kernels: bool) -> list:
