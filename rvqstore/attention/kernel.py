@@ -187,13 +187,15 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: 
            scale: float | None = None):
     """Run the split kernel: ``(o (BH, S, R, Dv), ml (BH, S, R, 2))``.
 
-    ``q`` ``(B, Hkv, R, Dk)``: float32 rotated queries (``scale`` None), or the raw queries in their
-    dtype with ``scale`` given, rotated inside the kernel (Dk a power of two).
+    ``q`` ``(B, Hkv, R, Dk)`` (or the same memory as ``(B, Hq, L, Dk)``): float32 rotated queries
+    (``scale`` None), or the raw queries in their dtype with ``scale`` given, rotated inside the kernel
+    (Dk a power of two).
     """
-    b, hkv, rows, dk = q.shape
+    b, h, l, dk = q.shape
+    hkv = view.n_kv_heads
     ks, k1, k2 = view.key_buffers
     vs, v1, v2 = view.value_buffers
-    p = _launch_plan(view, ks.shape[-1], b * hkv, rows, dk, n_queries, causal, scale, q.dtype)
+    p = _launch_plan(view, ks.shape[-1], b * hkv, h * l // hkv, dk, n_queries, causal, scale, q.dtype)
     if dialect == "metal":  # Metal reads the norms as their uint16 bits; CUDA reinterprets the bfloat16
         ks, vs = ks.view(mx.uint16), vs.view(mx.uint16)
     out = _kernel(dialect)(
@@ -282,31 +284,57 @@ def combine(view: CodesView, queries: mx.array, scale: float, o: mx.array, ml: m
     return out.reshape(b, hq, l, -1).astype(queries.dtype)
 
 
+_decisions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key codec -> {call shape: decision}
+
+
+def _decide(view: CodesView, rows: int, dtype, windowed: bool, with_sinks: bool, dialect: str):
+    """``(fast, config)`` for calls of this shape, or None where the kernel does not take them (made
+    once per configuration: a decode step repeats the same one 32 times per token)."""
+    per = _decisions.get(view.key_codec)
+    if per is None:
+        per = _decisions[view.key_codec] = {}
+    key = (id(view.value_codec), rows, dtype, windowed, with_sinks, dialect)
+    d = per.get(key, _MISSING)
+    if d is _MISSING:
+        d = None
+        if supported(view, rows) is None:
+            dk, dv = view.key_codec.dim, view.value_codec.dim
+            # fast path, two launches: raw queries rotated in the split kernel, splits merged and
+            # un-rotated by the merge kernel; the window and sinks need the MLX-ops merge
+            fast = _pow2(dk) and _pow2(dv) and dv >= 32 and not windowed and not with_sinks
+            d = (fast, (dialect, fast, rows, dk, dv, view.key_codec.bits, view.key_codec.residual, dtype))
+        per[key] = d
+    return d
+
+
+_MISSING = object()
+
+
 def attend(view: CodesView, queries: mx.array, scale: float, mask, sinks) -> mx.array | None:
     """Kernel attention, or None (no GPU backend, a call the kernel does not take, latched off)."""
     dialect = fused.gpu_backend()
-    if dialect is None or not fused._on_gpu() or dialect in _disabled:
+    if dialect is None or dialect in _disabled or not fused._on_gpu():
         return None
-    if mask is not None and not masks.is_causal(mask):
-        return None
-    b, hq, l, _ = queries.shape
+    causal = False
+    if mask is not None:
+        if not masks.is_causal(mask):
+            return None
+        causal = True
+    b, hq, l, dk = queries.shape
     rows = (hq // view.n_kv_heads) * l
-    if supported(view, rows) is not None:
+    d = _decide(view, rows, queries.dtype, view.dense_keys is not None, sinks is not None, dialect)
+    if d is None:
         return None
-    causal = masks.is_causal(mask) and l > 1
-    dk, dv = view.key_codec.dim, view.value_codec.dim
-    # fast path, two launches: raw queries rotated in the split kernel, splits merged and un-rotated
-    # by the merge kernel; the window and sinks need the MLX-ops merge
-    fast = _pow2(dk) and _pow2(dv) and dv >= 32 and not view.n_dense and sinks is None
+    fast, config = d
+    causal = causal and l > 1
     try:
-        if fast:
-            o, ml = launch(view, queries.reshape(b, view.n_kv_heads, rows, dk), l, causal, dialect, scale=scale)
-            out = merge(view, o, ml, (b, hq, l, dv), queries.dtype, dialect)
+        if fast:  # the queries' (B, Hq, L, D) memory is the kernel's (B * Hkv, R, D): no reshape needed
+            o, ml = launch(view, queries, l, causal, dialect, scale=scale)
+            out = merge(view, o, ml, (b, hq, l, view.value_codec.dim), queries.dtype, dialect)
         else:
             q_rot = ops.rotate_queries(view, queries, scale).reshape(b, view.n_kv_heads, rows, dk)
             o, ml = launch(view, q_rot, l, causal, dialect)
             out = None
-        config = (dialect, fast, rows, dk, dv, view.key_codec.bits, view.key_codec.residual, queries.dtype)
         if config not in _verified:  # first use of this build: failures surface here, where we can fall back
             mx.eval(o, ml) if out is None else mx.eval(out)
             with _lock:

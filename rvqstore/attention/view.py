@@ -8,23 +8,29 @@ the used slices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 
 from ..codec import RVQCodec
 
 
-@dataclass(frozen=True)
 class CodesView:
-    key_codec: RVQCodec
-    value_codec: RVQCodec
-    n_kv_heads: int
-    n_coded: int
-    key_buffers: tuple  # (scales (B, H, cap) bf16, codes1 (B, H, cap, W1), codes2 or None)
-    value_buffers: tuple
-    dense_keys: mx.array | None  # (B, H, n_dense, Dk) or None
-    dense_values: mx.array | None
+    """Read-only by convention (a plain class with slots: made once per layer and step, so its
+    construction is kept cheap; a frozen dataclass costs three times as much to build)."""
+
+    __slots__ = ("key_codec", "value_codec", "n_kv_heads", "n_coded", "key_buffers", "value_buffers",
+                 "dense_keys", "dense_values")
+
+    def __init__(self, key_codec: RVQCodec, value_codec: RVQCodec, n_kv_heads: int, n_coded: int,
+                 key_buffers: tuple, value_buffers: tuple, dense_keys: mx.array | None,
+                 dense_values: mx.array | None):
+        self.key_codec = key_codec
+        self.value_codec = value_codec
+        self.n_kv_heads = n_kv_heads
+        self.n_coded = n_coded
+        self.key_buffers = key_buffers  # (scales (B, H, cap) bf16, codes1 (B, H, cap, W1), codes2 or None)
+        self.value_buffers = value_buffers
+        self.dense_keys = dense_keys  # (B, H, n_dense, Dk) or None
+        self.dense_values = dense_values
 
     @property
     def n_dense(self) -> int:
