@@ -58,35 +58,112 @@ def trim_count(n: Any) -> int:
 
 
 class _Stream:
-    """Growable packed storage for one of keys/values of one layer: scales, codes1, codes2."""
+    """Growable packed storage for one of keys/values of one layer: scales, codes1, codes2.
+
+    Codes of single decode steps can be *staged* (:meth:`stage`): kept aside and written into the
+    buffers together, up to :attr:`block` steps in one update per buffer, or as soon as anything
+    reads the buffers (``scales``/``codes1``/``codes2`` are properties that write what is staged
+    first; ``n`` counts staged tokens). Resident caches stage: their attention reads the decoded
+    copy, so a decode step's six small buffer updates become one per :attr:`block` steps."""
 
     step = 256
+    block = 16
 
     def __init__(self, codec: RVQCodec, lead: tuple[int, int]):
         self.codec = codec
         self.lead = lead  # (B, H)
-        self.scales: mx.array | None = None
-        self.codes1: mx.array | None = None
-        self.codes2: mx.array | None = None
-        self.n = 0
+        self._scales: mx.array | None = None
+        self._codes1: mx.array | None = None
+        self._codes2: mx.array | None = None
+        self._n = 0  # tokens written into the buffers
+        self._staged: list = []  # [(scales, codes1, codes2)] of single steps, in order
+        self._staged_n = 0
+
+    # the buffers: reading or replacing one writes the staged steps first
+    @property
+    def scales(self) -> mx.array | None:
+        if self._staged:
+            self._flush()
+        return self._scales
+
+    @scales.setter
+    def scales(self, a: mx.array | None) -> None:
+        self._flush()
+        self._scales = a
+
+    @property
+    def codes1(self) -> mx.array | None:
+        if self._staged:
+            self._flush()
+        return self._codes1
+
+    @codes1.setter
+    def codes1(self, a: mx.array | None) -> None:
+        self._flush()
+        self._codes1 = a
+
+    @property
+    def codes2(self) -> mx.array | None:
+        if self._staged:
+            self._flush()
+        return self._codes2
+
+    @codes2.setter
+    def codes2(self, a: mx.array | None) -> None:
+        self._flush()
+        self._codes2 = a
+
+    @property
+    def n(self) -> int:
+        return self._n + self._staged_n
+
+    @n.setter
+    def n(self, value: int) -> None:
+        self._flush()
+        self._n = value
+
+    def stage(self, scales: mx.array, codes1: mx.array, codes2: mx.array | None) -> None:
+        """Append one step's codes ``(B, H, t[, W])`` without writing the buffers yet."""
+        self._staged.append((scales, codes1, codes2))
+        self._staged_n += scales.shape[2]
+        if len(self._staged) >= self.block:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._staged:
+            return
+        parts, t = self._staged, self._staged_n
+        self._staged, self._staged_n = [], 0
+        n = self._n
+        self._grow(self.lead, n + t)
+
+        def joined(i):
+            return parts[0][i] if len(parts) == 1 else mx.concatenate([p[i] for p in parts], axis=2)
+
+        self._scales[:, :, n:n + t] = joined(0)
+        self._codes1[:, :, n:n + t] = joined(1)
+        if self._codes2 is not None:
+            self._codes2[:, :, n:n + t] = joined(2)
+        self._n = n + t
 
     def _grow(self, lead: tuple[int, int], need: int) -> None:
-        cap = 0 if self.scales is None else self.scales.shape[-1]
+        cap = 0 if self._scales is None else self._scales.shape[-1]
         if need <= cap:
             return
         new_cap = -(-need // self.step) * self.step
         c = self.codec
+        n = self._n  # written tokens (staged ones are written after growing)
 
         def grow(a, tail, dtype):
             fresh = mx.zeros(lead + (new_cap,) + tail, dtype)
-            if a is not None and self.n:
-                fresh[:, :, : self.n] = a[:, :, : self.n]
+            if a is not None and n:
+                fresh[:, :, :n] = a[:, :, :n]
             return fresh
 
-        self.scales = grow(self.scales, (), mx.bfloat16)
-        self.codes1 = grow(self.codes1, (c.words1,), mx.uint32)
+        self._scales = grow(self._scales, (), mx.bfloat16)
+        self._codes1 = grow(self._codes1, (c.words1,), mx.uint32)
         if c.bits2:
-            self.codes2 = grow(self.codes2, (c.words2,), mx.uint32)
+            self._codes2 = grow(self._codes2, (c.words2,), mx.uint32)
 
     def append(self, x: mx.array) -> None:
         self.append_encoded(self.codec.encode(x, check_finite=False))
@@ -95,6 +172,7 @@ class _Stream:
         lead, t = tuple(enc.scales.shape[:2]), enc.scales.shape[2]
         if t == 0:
             return
+        self._flush()
         self._grow(lead, self.n + t)
         end = self.n + t
         self.scales[..., self.n:end] = enc.scales
@@ -104,8 +182,9 @@ class _Stream:
         self.n = end
 
     def set_packed(self, scales: mx.array, codes1: mx.array, codes2: mx.array | None) -> None:
-        self.scales, self.codes1, self.codes2 = scales, codes1, codes2
-        self.n = scales.shape[-1]
+        self._staged, self._staged_n = [], 0  # replaced wholesale: nothing staged survives
+        self._scales, self._codes1, self._codes2 = scales, codes1, codes2
+        self._n = scales.shape[-1]
 
     def check_packed(self, packed: Any, shape: tuple[int, int, int], dim: int, dtype: mx.Dtype,
                      head_dims: tuple[int, int]) -> None:
@@ -291,6 +370,10 @@ class RVQKVCache:
         """Write a step's ``(ks, k1, k2, vs, v1, v2)`` after the coded tokens, with static slices (in
         place, as mlx-lm's KVCache does; the buffers grow in steps of _Stream.step)."""
         k, v = self._keys, self._values
+        if self.mode == "resident" and t == 1:  # attention reads the decoded copy: write in blocks
+            k.stage(out[0], out[1], out[2])
+            v.stage(out[3], out[4], out[5])
+            return
         k._grow(k.lead, k.n + t)
         v._grow(v.lead, v.n + t)
         n, end = k.n, k.n + t

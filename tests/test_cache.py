@@ -180,3 +180,25 @@ def test_compiled_step_path_matches_unfused_path(mode):
         assert (a is None and b is None) or mx.array_equal(a, b)
     for a, b in zip(fast.keys_and_values(), slow.keys_and_values()):
         assert mx.array_equal(a, b)
+
+
+def test_resident_steps_stage_their_codes_and_read_back_the_same():
+    # a resident cache writes single steps' codes into its buffers in blocks (_Stream.stage); whatever
+    # reads them (state, trim, a prefill) sees exactly what a packed cache wrote step by step
+    k, v = kv(70, seed=5)
+    res, pk = RVQKVCache((2, 2), mode="resident"), RVQKVCache((2, 2))
+    for c in (res, pk):
+        feed(c, k, v, [9] + [1] * 40)
+    assert res._keys._staged and res.n_coded == pk.n_coded == 49  # 40 steps: two blocks written, 8 staged
+    for a, b in zip(res.state, pk.state):
+        assert (a is None and b is None) or mx.array_equal(a, b)
+    assert not res._keys._staged
+    for c in (res, pk):  # staged steps, then a trim, then a prefill-sized update
+        feed(c, k[:, :, 49:], v[:, :, 49:], [1, 1, 1])
+        c.trim(2)
+        feed(c, k[:, :, 50:], v[:, :, 50:], [10])
+    assert res.offset == pk.offset == 60
+    for a, b in zip(res.state, pk.state):
+        assert (a is None and b is None) or mx.array_equal(a, b)
+    for a, b in zip(res.keys_and_values(), pk.keys_and_values()):
+        assert mx.array_equal(a, b)
