@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import cache_append, cache_steps, fused
+from .attention.kernel import count_array
 from .kernel_plan import DECODE, make_plan
 
 log = logging.getLogger("rvqstore.kernels")
@@ -39,7 +40,8 @@ def _kernel():
         body = fused.load_source("rvq_attend_body_prelude_cuda.inc") + fused.load_source("rvq_unpack.inc")
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
         _kernel_fn.append(mx.fast.cuda_kernel(
-            name=f"rvq_unpack_{digest}", input_names=["ks", "k1", "k2", "vs", "v1", "v2", "sg", "dtab", "params"],
+            name=f"rvq_unpack_{digest}",
+            input_names=["ks", "k1", "k2", "vs", "v1", "v2", "sg", "dtab", "cnt", "params"],
             output_names=["ko", "vo"], source=body, header=header, ensure_row_contiguous=True))
     return _kernel_fn[0]
 
@@ -56,13 +58,12 @@ class _Setup:
         self.configs: dict = {}
         self.base = (codec.dim, codec.bits1, codec.bits2, codec.residual, codec.seed)
 
-    def args(self, n: int, cap: int, bh: int) -> mx.array:
-        key = (n, cap, bh)
-        a = self.params.get(key)
-        if a is None:  # one small array per token count: a decode loop makes one per step
-            if len(self.params) > 4096:
+    def args(self, cap: int, bh: int) -> mx.array:
+        a = self.params.get((cap, bh))
+        if a is None:  # changes only when the buffers grow
+            if len(self.params) > 16:
                 self.params.clear()
-            a = self.params[key] = mx.array([n, cap, bh], dtype=mx.uint32)
+            a = self.params[(cap, bh)] = mx.array([cap, bh], dtype=mx.uint32)
         return a
 
 
@@ -84,7 +85,7 @@ def launch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype) -> tu
     b, h, cap = ks.shape
     d = codec.dim
     out = _kernel()(
-        inputs=[*key_buffers, *value_buffers, s.signs, s.dtab, s.args(n, cap, b * h)],
+        inputs=[*key_buffers, *value_buffers, s.signs, s.dtab, count_array(n), s.args(cap, b * h)],
         template=s.template + [("OutT", dtype)], grid=(2 * b * h * n * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[(b, h, n, d), (b, h, n, d)], output_dtypes=[dtype, dtype])
     return out[0], out[1]

@@ -95,7 +95,7 @@ def decode_table(codec) -> tuple[mx.array, int]:
 _counts: list = []
 
 
-def _count(n: int) -> mx.array:
+def count_array(n: int) -> mx.array:
     """``[n]`` as a uint32 array: a slice of one arange made once (no new host array per step)."""
     if not _counts:
         _counts.append(mx.arange(0, 1 << 21, dtype=mx.uint32))
@@ -199,7 +199,7 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: 
     if dialect == "metal":  # Metal reads the norms as their uint16 bits; CUDA reinterprets the bfloat16
         ks, vs = ks.view(mx.uint16), vs.view(mx.uint16)
     out = _kernel(dialect)(
-        inputs=[q, p.qsg, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.tab, _count(view.n_coded),
+        inputs=[q, p.qsg, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.tab, count_array(view.n_coded),
                 p.params],
         template=p.template, grid=p.grid, threadgroup=_THREADGROUP, output_shapes=p.shapes, output_dtypes=_F32_2)
     return out[0], out[1]
