@@ -183,6 +183,9 @@ class CharTokenizer:
     def encode(self, s):
         return [ord(c) % 128 for c in s]
 
+    def get_vocab(self):  # for the model fingerprint of saved files
+        return {chr(i): i for i in range(128)}
+
 
 def test_short_text_is_refused(tmp_path):
     f = tmp_path / "t.txt"
@@ -242,6 +245,8 @@ def test_evaluate_pools_tuning_texts_and_reports_the_held_aside_apart(tiny, tmp_
     per = [r["texts"][n]["tok_kl"] for n in ("a", "b")]
     assert r["pooled"]["tok_kl"] == pytest.approx(sum(per) / 2)  # the held-aside text is not pooled
     assert r["texts"]["held-c"]["tok_kl"] > 0
+    assert set(r["disk"]["texts"]) == {"a", "b", "held-c"} and set(r["disk"]["pooled"]) == {"none", "auto"}
+    assert "disk" not in next(x for x in res["rows"] if x["name"] == "float16")  # no file form
 
     class NotRun:  # a second evaluation reuses every stored run: the model is never called
         layers = tiny.layers
@@ -258,6 +263,59 @@ def test_evaluate_pools_tuning_texts_and_reports_the_held_aside_apart(tiny, tmp_
     pytest.importorskip("matplotlib")
     write_report(res, tmp_path / "docs")
     assert (tmp_path / "docs" / "quality.png").stat().st_size > 10_000
+
+
+# ---- bits on disk ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny32():
+    """The tiny llama with head dim 32 (mx.quantize groups of at least 32 fit the head dim)."""
+    import tiny_models
+
+    tiny_models.CONFIGS["llama32"] = dict(tiny_models.CONFIGS["llama"], head_dim=32)
+    try:
+        return tiny_models.build("llama32")[0]
+    finally:
+        del tiny_models.CONFIGS["llama32"]
+
+
+def test_bits_on_disk_are_real_file_sizes_and_follow_per_side_bits(tiny32):
+    from quality.disk_bits import bits_on_disk
+
+    ids = [int(i) for i in np.random.default_rng(12).integers(3, 128, 96)]
+    tok = CharTokenizer()
+    d = {b: bits_on_disk(tiny32, tok, ids, M.uniform(M.rvq(b, 32), "r"), ("none", "auto")) for b in ((4, 2), (1, 1))}
+    for b, got in d.items():
+        fixed = M.rvq(b, 32).bits
+        assert fixed < got["none"] < fixed + 3.0  # the header is counted, and small against 96 tokens
+        assert got["auto"] <= got["none"] * 1.01  # zstd where it saves >= 2 % (a frame's header fields cost a little)
+    # per-side settings reach the file: two files that differ only in the values' bits differ by their codes
+    sides = [M.per_side(M.rvq((4, 2), 32), M.rvq(v, 32), "s") for v in ((1, 1), (2, 2))]
+    a, b = (bits_on_disk(tiny32, tok, ids, m, ("none",))["none"] for m in sides)
+    assert b - a == pytest.approx(sides[1].bits(2, 48) - sides[0].bits(2, 48), abs=0.15)  # + their tables
+
+
+def test_affine_bits_on_disk_count_codes_scales_biases_and_zstd(tiny32):
+    from quality.disk_bits import bits_on_disk, file_form
+
+    ids = [int(i) for i in np.random.default_rng(13).integers(3, 128, 64)]
+    for q in (M.rotated_affine(4, 32, 32), M.affine(8, 32, 32)):
+        d = bits_on_disk(tiny32, None, ids, M.uniform(q, "a"))
+        assert d["raw"] == pytest.approx(q.bits) and d["zstd"] <= d["raw"]  # 4 + 32/32, 8 + 32/32
+    assert file_form(M.variant(M.uniform(M.rvq((2, 2), 32), "r"), sink=1), 2) is None
+    assert file_form(M.uniform(M.float16(), "f"), 2) is None
+
+
+def test_disk_summary_pools_tuning_texts_and_compares_like_for_like():
+    from quality.disk_bits import on_disk, summarize_disk
+
+    rvq_row = {"disk": summarize_disk({"a": {"none": 4.3, "auto": 4.0}, "b": {"none": 4.3, "auto": 4.2},
+                                       "held": {"none": 4.3, "auto": 3.0}}, ["a", "b"])}
+    assert on_disk(rvq_row) == pytest.approx(4.1) and on_disk(rvq_row, stat="max") == pytest.approx(4.2)
+    assert on_disk(rvq_row, text="held") == 3.0 and on_disk(rvq_row, "best") is None
+    aff = {"disk": summarize_disk({"a": {"raw": 4.5, "zstd": 4.2}, "b": {"raw": 4.5, "zstd": 4.0}}, ["a", "b"])}
+    assert on_disk(aff, "auto") == pytest.approx(4.1) and on_disk(aff, "none") == pytest.approx(4.5)
+    assert on_disk({"name": "x"}) is None
 
 
 @pytest.mark.parametrize("protocol,chunk", [("half", 128), ("stream", 7), ("stream", 1)])

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quality import catalog  # noqa: E402
 from quality import protocol as P  # noqa: E402
+from quality.disk_bits import AFFINE_MODES, bits_on_disk, file_form, summarize_disk  # noqa: E402
 from quality.methods import Method  # noqa: E402
 from quality.metrics import summarize  # noqa: E402
 from quality.store import RunStore  # noqa: E402
@@ -42,13 +43,37 @@ def _key(model_name: str, t: Text, n_tokens: int, proto: str, chunk: int, m: Met
             "protocol": proto, "chunk": chunk if proto == "stream" else 0, "method": m.name}
 
 
+def _disk_key(model_name: str, t: Text, n_tokens: int, m: Method) -> dict:
+    return {"model": model_name, "text": t.name, "path": t.path.name, "tokens": n_tokens, "method": m.name,
+            "disk": 1}
+
+
+def disk_bits(model: Any, tokenizer: Any, t: Text, ids: list[int], m: Method, n_tokens: int, store: RunStore,
+              model_name: str, modes: Sequence[str], stored_only: bool) -> dict[str, float] | None:
+    """On-disk bits per coordinate of ``m`` saving the cached half of ``ids`` (stored ones reused):
+    {compress mode: bits} for RVQ, {"raw"/"zstd": bits} for affine; None when it has no file form."""
+    if file_form(m, len(model.layers)) is None:
+        return None
+    key = _disk_key(model_name, t, n_tokens, m)
+    have = store.get_disk(key)
+    want = list(modes) if file_form(m, len(model.layers)) == "rvq" else list(AFFINE_MODES)
+    missing = [x for x in want if x not in have]
+    if missing and not stored_only:
+        have.update(bits_on_disk(model, tokenizer, ids[:n_tokens // 2], m, missing))
+        store.put_disk(key, have)
+    return have or None
+
+
 def evaluate(model: Any, tokenizer: Any, texts: Sequence[Text], methods: Sequence[Method], *, n_tokens: int,
              protocols: Sequence[str] = ("half",), chunk: int = 128, store: RunStore | None = None,
-             model_name: str = "bundled", stored_only: bool = False, log: Callable[[str], None] = print) -> dict:
+             model_name: str = "bundled", stored_only: bool = False, log: Callable[[str], None] = print,
+             disk_modes: Sequence[str] = ("none", "auto")) -> dict:
     """Every method on every text under every protocol; returns the results dict of the report.
-    ``stored_only``: report only the (method, protocol) pairs whose runs are all in ``store``."""
+    ``stored_only``: report only the (method, protocol) pairs whose runs are all in ``store``.
+    ``disk_modes``: the compress modes whose on-disk bits are measured for RVQ methods."""
     store = store or RunStore(None)
     n_layers = len(model.layers)
+    disk: dict[str, dict[str, dict]] = {}
     rows = []
     for proto in protocols:
         chosen = methods
@@ -76,6 +101,10 @@ def evaluate(model: Any, tokenizer: Any, texts: Sequence[Text], methods: Sequenc
                     log(f"{proto} {t.name} {m.name}: tok KL {run.scores.kl.mean():.4f} "
                         f"({time.perf_counter() - t0:.0f}s)")
                 per[m.name][t.name] = run
+                if t.name not in disk.get(m.name, {}):
+                    d = disk_bits(model, tokenizer, t, ids, m, n_tokens, store, model_name, disk_modes, stored_only)
+                    if d is not None:
+                        disk.setdefault(m.name, {})[t.name] = d
         for m in chosen:
             runs = per[m.name]
             tuning = [t for t in texts if not t.held_aside]
@@ -88,10 +117,35 @@ def evaluate(model: Any, tokenizer: Any, texts: Sequence[Text], methods: Sequenc
                 row["pooled"] = summarize([runs[t.name].scores for t in tuning])
                 row["pooled"]["k_err"] = sum(runs[t.name].k_err for t in tuning) / len(tuning)
                 row["pooled"]["v_err"] = sum(runs[t.name].v_err for t in tuning) / len(tuning)
+            if m.name in disk:
+                row["disk"] = summarize_disk(disk[m.name], [t.name for t in tuning])
             rows.append(row)
     return {"rows": rows, "texts": [{"name": t.name, "file": t.path.name, "held_aside": t.held_aside} for t in texts],
             "n_tokens": n_tokens, "n_layers": n_layers, "protocols": list(protocols), "chunk": chunk,
             "model": model_name, "machine": f"{platform.machine()} {platform.system()}"}
+
+
+def attach_disk(res: dict, model: Any, tokenizer: Any, texts: Sequence[Text], methods: Sequence[Method],
+                store: RunStore, modes: Sequence[str], log: Callable[[str], None] = print) -> dict:
+    """On-disk bits added to the rows of earlier results (``--from-json``) whose names are among
+    ``methods``; the token KL figures stay as they were (the runs are deterministic)."""
+    by_name = {m.name: m for m in methods}
+    tuning = [t.name for t in texts if not t.held_aside]
+    if [t.name for t in texts] != [t["name"] for t in res["texts"]]:
+        raise SystemExit("--attach-disk: the texts differ from those of the results")
+    disk: dict[str, dict] = {}
+    for t in texts:
+        ids = load_tokens(tokenizer, t, res["n_tokens"])
+        for name, m in by_name.items():
+            if any(r["name"] == name for r in res["rows"]):
+                d = disk_bits(model, tokenizer, t, ids, m, res["n_tokens"], store, res["model"], modes, False)
+                if d is not None:
+                    disk.setdefault(name, {})[t.name] = d
+                    log(f"{t.name} {name}: on disk {d}")
+    for r in res["rows"]:
+        if r["name"] in disk:
+            r["disk"] = summarize_disk(disk[r["name"]], tuning)
+    return res
 
 
 def merge(parts: Sequence[dict]) -> dict:
@@ -107,6 +161,42 @@ def merge(parts: Sequence[dict]) -> dict:
             res["chunk"] = p["chunk"]
         res["argv"] = res.get("argv", "") + "\n" + p.get("argv", "")
     return res
+
+
+def fit_budgets(args: argparse.Namespace, model: Any, tokenizer: Any, texts: Sequence[Text], profile: dict | None,
+                dim: int, log: Callable[[str], None]) -> int:
+    """``--fit``: the allocation target per on-disk budget, measured on the tuning texts' cached halves."""
+    from quality.fit import fit_target
+
+    if profile is None:
+        raise SystemExit("--fit needs --profile")
+    halves = [load_tokens(tokenizer, t, args.tokens)[:args.tokens // 2] for t in texts if not t.held_aside]
+    fits = [fit_target(model, tokenizer, halves, profile, float(b), dim=dim, log=log) for b in args.fit.split(",")]
+    out = {"tokens": args.tokens, "cached_tokens": args.tokens // 2, "texts": [t.name for t in texts if not t.held_aside],
+           "profile": args.profile, "fits": fits, "argv": " ".join(sys.argv[1:])}
+    for f in fits:
+        log(f"budget {f['budget']:g} on disk: fixed-width target {f['target']:.2f} ({', '.join(f'{x:.3f}' for x in f['disk'])})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
+    return 0
+
+
+def _dim(model: Any) -> int:
+    return model.layers[0].self_attn.k_proj.weight.shape[0] // model.args.num_key_value_heads
+
+
+def _methods(args: argparse.Namespace, model: Any) -> list[Method]:
+    """The methods of ``--methods`` (groups), narrowed by ``--only``."""
+    profile = catalog.load_profile(args.profile) if args.profile else None
+    targets = tuple(float(x) for x in args.alloc_targets.split(",")) if args.alloc_targets else catalog.BUDGETS
+    methods = [m for g in args.methods.split(",")
+               for m in catalog.group(g.strip(), dim=_dim(model), profile=profile, targets=targets)]
+    if args.only:
+        keep = {n.strip() for n in args.only.split(",")}
+        methods = [m for m in methods if m.name in keep]
+        if len(methods) != len(keep):
+            raise SystemExit(f"--only names not in the groups: {sorted(keep - {m.name for m in methods})}")
+    return methods
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,6 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "rvq, rotated, affine, fp16, variants, sides, sides+, alloc")
     ap.add_argument("--only", default=None, help="comma-separated method names to keep from the groups")
     ap.add_argument("--profile", default=None, help="slot sensitivities for the alloc group")
+    ap.add_argument("--alloc-targets", default=None,
+                    help="comma-separated fixed-width averages of the alloc group (default 3,4.5,6)")
+    ap.add_argument("--disk-modes", default="none,auto",
+                    help="compress modes whose on-disk bits are measured for RVQ methods (best: slow, rANS)")
+    ap.add_argument("--fit", default=None, metavar="BUDGETS",
+                    help="comma-separated on-disk budgets: find the allocation's fixed-width target that lands "
+                         "at each (tuning texts' cached halves saved with compress=auto); needs --profile")
     ap.add_argument("--runs", default=None, help="folder of per-run results to reuse and extend")
     ap.add_argument("--stored-only", action="store_true",
                     help="report only methods whose runs are all in --runs (nothing is computed)")
@@ -132,6 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for quality.md and quality.png")
     ap.add_argument("--from-json", action="append", default=None,
                     help="re-render from earlier --json files (repeatable: their rows and protocols are merged)")
+    ap.add_argument("--attach-disk", action="store_true",
+                    help="with --from-json: measure the on-disk bits of its rows named in --methods (no KL re-run)")
+    ap.add_argument("--precise-json", default=None,
+                    help="with --from-json: results on more tokens (the presets and closest baselines) for the goals table")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -141,30 +242,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_json:
         parts = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.from_json]
         res = merge(parts)
+        if args.attach_disk:
+            from rvqstore.model import load_model
+
+            model, tokenizer = load_model(args.model)
+            texts = [text_from_arg(a) for a in args.text] if args.text else list(DEFAULT_TEXTS)
+            methods = _methods(args, model)
+            res = attach_disk(res, model, tokenizer, texts, methods, RunStore(Path(args.runs) if args.runs else None),
+                              args.disk_modes.split(","), log)
     else:
         from rvqstore.model import load_model
 
         model, tokenizer = load_model(args.model)
         texts = [text_from_arg(a) for a in args.text] if args.text else list(DEFAULT_TEXTS)
-        profile = catalog.load_profile(args.profile) if args.profile else None
-        dim = model.layers[0].self_attn.k_proj.weight.shape[0] // model.args.num_key_value_heads
-        methods = [m for g in args.methods.split(",") for m in catalog.group(g.strip(), dim=dim, profile=profile)]
-        if args.only:
-            keep = {n.strip() for n in args.only.split(",")}
-            methods = [m for m in methods if m.name in keep]
-            if len(methods) != len(keep):
-                raise SystemExit(f"--only names not in the groups: {sorted(keep - {m.name for m in methods})}")
+        if args.fit:
+            profile = catalog.load_profile(args.profile) if args.profile else None
+            return fit_budgets(args, model, tokenizer, texts, profile, _dim(model), log)
+        methods = _methods(args, model)
         res = evaluate(model, tokenizer, texts, methods, n_tokens=args.tokens, protocols=args.protocol or ["half"],
                        chunk=args.chunk, store=RunStore(Path(args.runs) if args.runs else None),
                        model_name=args.model or "bundled SmolLM2-135M-Instruct", stored_only=args.stored_only,
-                       log=log)
+                       log=log, disk_modes=args.disk_modes.split(","))
         res["argv"] = " ".join(sys.argv[1:] if argv is None else argv)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1), encoding="utf-8")
     if args.out:
         from quality.report import write_report
 
-        write_report(res, Path(args.out))
+        precise = json.loads(Path(args.precise_json).read_text(encoding="utf-8")) if args.precise_json else None
+        write_report(res, Path(args.out), precise)
     log("done")
     return 0
 

@@ -6,7 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..codec import DEFAULT_BITS
 from .registry import CLIError
 
 
@@ -27,9 +26,25 @@ def model_args(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file or an mlx-lm model folder (default: the bundled SmolLM2-135M-Instruct)")
 
 
+def parse_preset(text: str) -> str:
+    from ..errors import CodecConfigError
+    from ..presets import get
+
+    try:
+        return get(text).name
+    except CodecConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def codec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bits", type=parse_bits, default=DEFAULT_BITS,
+    p.add_argument("--bits", type=parse_bits, default=None,
                    help="bits per stage: 4+2 (default; see docs/quality.md), 2+2 (compact, ~4x smaller than fp16), 4+4 ...")
+    p.add_argument("--preset", type=parse_preset, default=None,
+                   help="instead of --bits, settings named by what they promise on disk: small (<= 3 bits/coord), "
+                        "balanced (<= 4.5), near-lossless (<= 6); see docs/quality.md")
+    p.add_argument("--profile", default=None,
+                   help="with --preset: a sensitivity profile of the model (tools/probe_sensitivity.py) to allocate "
+                        "bits per layer too")
     p.add_argument("--residual", choices=("conditional", "shared"), default="conditional")
     p.add_argument("--seed", type=int, default=0, help="rotation seed")
     p.add_argument("--dense-window", type=int, default=0, help="recent tokens kept in full precision")

@@ -28,8 +28,18 @@ def cmd_cache_prompt(args: argparse.Namespace) -> int:
 
     text = read_prompt(args)
     from ..cache import RVQKVCache
+    from ..codec import DEFAULT_BITS
 
-    RVQKVCache(args.bits, args.seed, args.residual, dense_window=args.dense_window)  # bad settings fail now
+    if args.preset is not None and args.bits is not None:
+        raise CLIError("give --bits or --preset, not both", 2)
+    if args.profile is not None and args.preset is None:
+        raise CLIError("--profile allocates the bits of a --preset: give one", 2)
+    if args.profile is not None:
+        from ..bit_allocation import load_profile
+
+        load_profile(args.profile)  # a bad profile fails now, before the model loads
+    bits = args.bits or DEFAULT_BITS
+    RVQKVCache(bits, args.seed, args.residual, dense_window=args.dense_window)  # bad settings fail now
     if args.chunk < 1:
         raise CLIError("--chunk must be >= 1", 2)
     model, tokenizer = load_model(args)
@@ -37,17 +47,37 @@ def cmd_cache_prompt(args: argparse.Namespace) -> int:
     if not tokens:
         raise CLIError("the prompt has no tokens")
     bar, sbar = ProgressBar("prefill"), ProgressBar("save")
+    metadata = {"prompt_chars": str(len(text)), "chat": str(bool(args.chat)).lower()}
     try:
-        r = cache_prompt(model, tokenizer, tokens, args.output, bits=args.bits, seed=args.seed,
-                         residual=args.residual, dense_window=args.dense_window, chunk=args.chunk,
-                         metadata={"prompt_chars": str(len(text)), "chat": str(bool(args.chat)).lower()},
-                         progress=bar, save_progress=sbar)
+        if args.preset is not None:
+            r = _cache_prompt_with_preset(args, model, tokenizer, tokens, metadata, bar, sbar)
+        else:
+            r = cache_prompt(model, tokenizer, tokens, args.output, bits=bits, seed=args.seed,
+                             residual=args.residual, dense_window=args.dense_window, chunk=args.chunk,
+                             metadata=metadata, progress=bar, save_progress=sbar)
     finally:
         bar.close()
         sbar.close()
     print(f"cached {r.n_tokens} tokens in {r.path}: {r.file_bytes:,} bytes "
           f"(prefill {r.prefill_s:.2f}s, save {r.save_s:.2f}s)")
     return 0
+
+
+def _cache_prompt_with_preset(args, model, tokenizer, tokens, metadata, bar, sbar):
+    """cache-prompt with the caches of a preset (per-side bits; per-layer too with --profile)."""
+    import os
+
+    from .. import presets, save_prompt_cache
+    from ..generation import CachedPrompt, prefill
+
+    cache = presets.make_cache(model, args.preset, profile=args.profile, seed=args.seed, residual=args.residual,
+                               dense_window=args.dense_window)
+    t0 = time.perf_counter()
+    prefill(model, tokens, cache, chunk=args.chunk, progress=bar)
+    t1 = time.perf_counter()
+    size = save_prompt_cache(args.output, cache, tokens=tokens, model=model, tokenizer=tokenizer,
+                             metadata={**metadata, "preset": args.preset}, progress=sbar)
+    return CachedPrompt(os.fspath(args.output), len(tokens), size, t1 - t0, time.perf_counter() - t1)
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:

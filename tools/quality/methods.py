@@ -25,6 +25,9 @@ class Quantizer:
     name: str
     bits: float  # stored bits per coordinate: codes, scales/biases/norms and packing waste
     fn: Callable[[mx.array], mx.array] = field(compare=False, repr=False)
+    # what a saved file holds (quality.disk_bits): RVQ stage bits, or affine (bits, group, rotated)
+    rvq_bits: tuple[int, int] | None = None
+    affine: tuple[int, int, bool] | None = None
 
 
 def float16() -> Quantizer:
@@ -37,7 +40,7 @@ def rvq(bits: tuple[int, int], dim: int = 64, seed: int = 0) -> Quantizer:
     codec = RVQCodec(dim, bits, seed)
     b1, b2 = codec.bits
     return Quantizer(f"{b1}+{b2}" if b2 else f"{b1}", codec.bits_per_coordinate,
-                     lambda x: codec.decode(codec.encode(x, check_finite=False)))
+                     lambda x: codec.decode(codec.encode(x, check_finite=False)), rvq_bits=(b1, b2))
 
 
 def rvq_error(bits: tuple[int, int], dim: int = 64) -> float:
@@ -59,7 +62,7 @@ def affine(bits: int, group: int, dim: int = 64) -> Quantizer:
         wq, s, b = mx.quantize(x.astype(mx.float16), group_size=group, bits=bits)
         return mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32)
 
-    return Quantizer(f"affine {bits}b g{group}", _affine_bits(bits, group, dim), fn)
+    return Quantizer(f"affine {bits}b g{group}", _affine_bits(bits, group, dim), fn, affine=(bits, group, False))
 
 
 @lru_cache(maxsize=None)
@@ -75,7 +78,7 @@ def rotated_affine(bits: int, group: int, dim: int = 64) -> Quantizer:
         y_hat = mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32)
         return mx.hadamard_transform(y_hat, scale=scale)
 
-    return Quantizer(f"rot-affine {bits}b g{group}", _affine_bits(bits, group, dim), fn)
+    return Quantizer(f"rot-affine {bits}b g{group}", _affine_bits(bits, group, dim), fn, affine=(bits, group, True))
 
 
 @dataclass

@@ -29,6 +29,21 @@ class RunStore:
         z = np.load(self._path(key), allow_pickle=False)
         return Run(TokenScores(z["kl"], z["nll"], z["nll_ref"], z["agree"]), float(z["k_err"]), float(z["v_err"]))
 
+    def get_disk(self, key: dict) -> dict[str, float]:
+        """Stored on-disk bits of a (text, method) pair, by compress mode ({} if none)."""
+        if self.folder is None:
+            return {}
+        p = self._path(key).with_suffix(".disk.json")
+        return json.loads(p.read_text(encoding="utf-8")) if p.exists() else {}
+
+    def put_disk(self, key: dict, bits: dict[str, float]) -> None:
+        if self.folder is None:
+            return
+        p = self._path(key).with_suffix(".disk.json")
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**self.get_disk(key), **bits}), encoding="utf-8")
+        tmp.replace(p)
+
     def put(self, key: dict, run: Run) -> None:
         if self.folder is None:
             return
