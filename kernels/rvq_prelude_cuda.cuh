@@ -83,3 +83,5 @@ struct rvq_vec<1> {
 #define RVQ_STORE_BF16(p, i, bits) (reinterpret_cast<unsigned short*>(p)[(i)] = (unsigned short)(bits))
 // element i of a bfloat16 array as float (exact: the bits on top of a float)
 #define RVQ_BF16_AT(p, i) __uint_as_float(uint(reinterpret_cast<const unsigned short*>(p)[(i)]) << 16)
+// the 16 bits of element i of a bfloat16 array
+#define RVQ_BF16_BITS_AT(p, i) uint(reinterpret_cast<const unsigned short*>(p)[(i)])

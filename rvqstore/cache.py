@@ -181,6 +181,12 @@ class _Stream:
             self.codes2[..., self.n:end, :] = enc.codes2
         self.n = end
 
+    def take_buffers(self, scales: mx.array, codes1: mx.array, codes2: mx.array | None, n: int) -> None:
+        """Hold new buffers (capacity ``scales.shape[-1]``) whose first ``n`` tokens are coded."""
+        self._staged, self._staged_n = [], 0
+        self._scales, self._codes1, self._codes2 = scales, codes1, codes2
+        self._n = n
+
     def set_packed(self, scales: mx.array, codes1: mx.array, codes2: mx.array | None) -> None:
         self._staged, self._staged_n = [], 0  # replaced wholesale: nothing staged survives
         self._scales, self._codes1, self._codes2 = scales, codes1, codes2
@@ -353,6 +359,8 @@ class RVQKVCache:
         resident = self.mode == "resident"
         if resident and self._res_k is None and k.n:  # the decoded copy must cover every coded token
             return False
+        if not resident and k.n and self._copy_append(keys, values):
+            return True
         out = cache_append.append(k.codec, keys, values, resident)
         if out is None:
             return False
@@ -364,6 +372,22 @@ class RVQKVCache:
             self._res_k[:, :, n:n + t] = out[6]
             self._res_v[:, :, n:n + t] = out[7]
             self._resident_written = True
+        return True
+
+    def _copy_append(self, keys: mx.array, values: mx.array) -> bool:
+        """Packed, short contexts: the kernel writes whole new buffers (old tokens + new), so the step
+        needs no slice updates (rvqstore.cache_append.COPY_MAX_TOKENS)."""
+        k, v = self._keys, self._values
+        n, cap = k.n, k.scales.shape[-1]
+        need = n + keys.shape[2]
+        if need > cap:
+            cap = -(-need // _Stream.step) * _Stream.step
+        out = cache_append.append_copy(k.codec, keys, values, (k.scales, k.codes1, k.codes2),
+                                       (v.scales, v.codes1, v.codes2), n, cap)
+        if out is None:
+            return False
+        k.take_buffers(out[0], out[1], out[2], need)
+        v.take_buffers(out[3], out[4], out[5], need)
         return True
 
     def _write_codes(self, out: tuple, t: int) -> None:

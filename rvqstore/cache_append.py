@@ -30,13 +30,18 @@ import mlx.core as mx
 import numpy as np
 
 from . import fused
+from .attention.kernel import count_array
 from .codec import EncodedVectors
 from .kernel_plan import DECODE, ENCODE, make_plan
 
 log = logging.getLogger("rvqstore.kernels")
 
 _lock = threading.Lock()
-_kernel_fns: dict = {}  # resident (bool) -> kernel
+_kernel_fns: dict = {}  # (resident, copy) -> kernel
+
+#: packed caches write whole new buffers from the kernel (no slice updates) while they hold at most
+#: this many tokens; above it the copy costs more GPU time than the six slice updates cost the host
+COPY_MAX_TOKENS = 16384
 _disabled: dict = {}  # configuration -> why the kernel is off for it
 _verified: set = set()
 _setups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -56,17 +61,18 @@ def supported(codec) -> str | None:
     return None
 
 
-def _kernel(resident: bool):
-    k = _kernel_fns.get(resident)
+def _kernel(resident: bool, copy: bool = False):
+    k = _kernel_fns.get((resident, copy))
     if k is None:
         prelude = fused.load_source("rvq_prelude_cuda.cuh")
-        header = (prelude + ("\n#define RVQ_APPEND_RESIDENT 1\n" if resident else "\n")
-                  + fused.load_source("rvq_common.h"))
+        header = (prelude + ("\n#define RVQ_APPEND_RESIDENT 1" if resident else "")
+                  + ("\n#define RVQ_APPEND_COPY 1" if copy else "") + "\n" + fused.load_source("rvq_common.h"))
         body = fused.load_source("rvq_attend_body_prelude_cuda.inc") + fused.load_source("rvq_append.inc")
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
-        k = _kernel_fns[resident] = mx.fast.cuda_kernel(
-            name=f"rvq_append{'_res' if resident else ''}_{digest}",
-            input_names=["k", "v", "sg", "tab", "dtab", "lim", "params"],
+        k = _kernel_fns[(resident, copy)] = mx.fast.cuda_kernel(
+            name=f"rvq_append{'_res' if resident else ''}{'_copy' if copy else ''}_{digest}",
+            input_names=["k", "v", "sg", "tab", "dtab", "lim", "params"]
+            + (["cnt", "oks", "ok1", "ok2", "ovs", "ov1", "ov2"] if copy else []),
             output_names=["ks", "k1", "k2", "vs", "v1", "v2"] + (["rk", "rv"] if resident else []),
             source=body, header=header, ensure_row_contiguous=True)
     return k
@@ -124,6 +130,14 @@ class _Setup:
             a = self.limits[dtype] = mx.array([codec.max_scale(dtype)], dtype=mx.float32)
         return a
 
+    def copy_params(self, *values: int) -> mx.array:
+        a = self.params.get(values)
+        if a is None:  # changes only when the buffers grow
+            if len(self.params) > 64:
+                self.params.clear()
+            a = self.params[values] = mx.array(list(values), dtype=mx.uint32)
+        return a
+
     def rows(self, n: int) -> mx.array:
         a = self.params.get(n)
         if a is None:
@@ -162,6 +176,64 @@ def launch(codec, keys: mx.array, values: mx.array, resident: bool = False) -> t
         inputs=[keys, values, s.signs, s.plan.tab, s.dtab, kw["limit"], kw["rows"]], template=kw["template"],
         grid=kw["grid"], threadgroup=kw["threadgroup"], output_shapes=kw["output_shapes"],
         output_dtypes=kw["output_dtypes"]))
+
+
+def launch_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple, n: int,
+                cap: int) -> tuple:
+    """The kernel's whole new buffers ``(ks, k1, k2, vs, v1, v2)`` of ``cap`` tokens: the old buffers'
+    first ``n`` tokens, then the new ones (no checks)."""
+    s = _setup(codec)
+    if s is None:
+        raise ValueError(f"the fused append does not take {codec!r}: {supported(codec)}")
+    b, h, t, d = keys.shape
+    cap_old = key_buffers[0].shape[-1]
+    nk = b * h * t
+    side = b * h * n * (codec.words1 + codec.words2 + 1)
+    groups = 2 * nk + -(-2 * side // d)
+    lead = (b, h, cap)
+    w1, w2 = codec.words1, codec.words2
+    return tuple(_kernel(False, True)(
+        inputs=[keys, values, s.signs, s.plan.tab, s.dtab, s.limit(codec, keys.dtype),
+                s.copy_params(nk, t, cap_old, cap), count_array(n), *key_buffers, *value_buffers],
+        template=s.template + [("InT", keys.dtype)], grid=(groups * d, 1, 1), threadgroup=(d, 1, 1),
+        output_shapes=[lead, lead + (w1,), lead + (w2,), lead, lead + (w1,), lead + (w2,)],
+        output_dtypes=_DTYPES))
+
+
+def append_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple, n: int,
+                cap: int) -> tuple | None:
+    """:func:`launch_copy` where the kernel serves the call, else None (then append() and slice
+    updates). Its first use (and its first use growing the buffers) is compared with that path."""
+    if fused.gpu_backend() != "cuda" or not fused._on_gpu() or n == 0 or cap > COPY_MAX_TOKENS:
+        return None
+    if values.dtype != keys.dtype or keys.shape != values.shape or keys.shape[-1] != codec.dim:
+        return None
+    s = _setup(codec)
+    if s is None:
+        return None
+    grows = cap != key_buffers[0].shape[-1]
+    config = s.config(keys.dtype, False) + ("copy", grows)
+    if config in _disabled:
+        return None
+    try:
+        out = launch_copy(codec, keys, values, key_buffers, value_buffers, n, cap)
+        if config not in _verified:
+            want = launch(codec, keys, values)
+            t = keys.shape[2]
+            mx.eval(out, want)
+            olds = (*key_buffers, *value_buffers)
+            for got, old, new in zip(out, olds, want):
+                if not (bool(mx.array_equal(got[:, :, :n], old[:, :, :n], equal_nan=True).item())
+                        and bool(mx.array_equal(got[:, :, n:n + t], new, equal_nan=True).item())):
+                    raise RuntimeError("first-use check failed: the copied buffers differ from slice updates")
+            with _lock:
+                _verified.add(config)
+        return out
+    except Exception as err:
+        with _lock:
+            _disabled[config] = f"{type(err).__name__}: {err}"
+        log.warning("fused append (copy) switched off for %s; using slice updates: %s", config, err)
+        return None
 
 
 def check(codec, keys: mx.array, values: mx.array, out: tuple) -> str | None:

@@ -98,3 +98,28 @@ def test_gpu_cache_steps_through_the_fused_append(mode):
     # the codes agree with the codec's own encode of the same tokens (nearly every word)
     ref = codec.encode(k, check_finite=False)
     assert float(mx.mean(k1 == ref.codes1).item()) >= cache_append.MIN_EQUAL_WORDS
+
+
+@pytest.mark.gpu
+def test_gpu_copy_append_equals_slice_updates(monkeypatch):
+    # packed caches at short contexts take whole new buffers from the kernel (old tokens copied, new
+    # ones encoded): the same buffers as the launch + slice updates, across a capacity growth (256)
+    if cache_append.fused.gpu_backend() != "cuda":
+        pytest.skip("the fused append is CUDA only")
+    rng = np.random.default_rng(3)
+    k = mx.array(rng.standard_normal((1, 4, 300, 128)).astype(np.float16))
+    v = mx.array(rng.standard_normal((1, 4, 300, 128)).astype(np.float16))
+
+    def run():
+        c = RVQKVCache((2, 2))
+        c.update_and_fetch(k[:, :, :200], v[:, :, :200])
+        for i in range(200, 300):
+            c.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        return c
+
+    copied = run()
+    assert any("copy" in cfg for cfg in cache_append._verified) and not cache_append.disabled()
+    monkeypatch.setattr(cache_append, "COPY_MAX_TOKENS", 0)
+    updated = run()
+    for a, b in zip(copied.state, updated.state):
+        assert (a is None and b is None) or mx.array_equal(a, b)
