@@ -2,6 +2,8 @@
 
 - :mod:`.ops`: the formulation in MLX ops (rotate the queries once, scores from rotated-domain code
   rows, one softmax with the full-precision window, values accumulated rotated, un-rotated once);
+- :mod:`.host`: the same formulation computed with numpy, for MLX's CPU backend (its gathers and
+  ``exp`` are slow there);
 - :mod:`.kernel`: the split-K GPU kernel (one body for Metal and CUDA, ``kernels/rvq_attend.inc``);
 - :mod:`.dispatch`: which of them serves a call (or decode-then-SDPA, for long prefills);
 - :mod:`.hook`: how mlx-lm's models reach it without forking their code.

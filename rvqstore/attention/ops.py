@@ -1,4 +1,5 @@
-"""Attention straight on the packed codes, written with MLX ops (every backend; the CPU path).
+"""Attention straight on the packed codes, written with MLX ops (every backend; on MLX's CPU backend the
+fallback of :mod:`.host`, which computes the same formulation with numpy).
 
 The codec stores a key as ``k = (H^T y_k / D) * signs * s_k`` (``y_k`` the centroid values picked by
 the codes, ``s_k`` the bfloat16 norm; see :mod:`rvqstore.codec`). Since the rotation is orthogonal up
