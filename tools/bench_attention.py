@@ -8,6 +8,7 @@ which un-rotates), and with ``--breakdown`` on a GPU the split and merge kernels
 sample times ``k`` calls issued back to back (one sync), divided by ``k``; medians over rounds.
 
     python tools/bench_attention.py [--contexts 1024,8192,32768,131072] [--json out.json]
+    python tools/bench_attention.py --contexts 32768,131072 --bits 2+2 --target-groups 528,1056,2112,4224
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--breakdown", action="store_true", help="also time the split and merge kernels alone")
+    ap.add_argument("--target-groups", default="", help="comma list: also time the first bits' codes arm with "
+                    "kernel.TARGET_GROUPS set to each (threadgroups per launch the split plan aims at)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     hq, hkv, d = a.heads, a.kv_heads, a.head_dim
+    default_groups = kernel.TARGET_GROUPS
     out = {"device": str(mx.default_device()), "geometry": [hq, hkv, d], "rows": []}
     for n in (int(x) for x in a.contexts.split(",")):
         mx.random.seed(n)
@@ -54,6 +58,14 @@ def main(argv=None) -> int:
                 c.update_and_fetch(k[:, :, s:s + 4096], v[:, :, s:s + 4096])
             mx.eval(c.state)
             arms[f"codes-{bits}"] = (lambda c: lambda q: c.attend_on_codes(q, scale=d ** -0.5))(c)
+            for tg in (int(x) for x in a.target_groups.split(",") if x and bits == a.bits.split(",")[0]):
+                def sweep(q, c=c, tg=tg):
+                    kernel.TARGET_GROUPS = tg
+                    try:
+                        return c.attend_on_codes(q, scale=d ** -0.5)
+                    finally:
+                        kernel.TARGET_GROUPS = default_groups
+                arms[f"codes-{bits}-tg{tg}"] = sweep
             dialect = fused.gpu_backend()
             if a.breakdown and dialect and bits == a.bits.split(",")[0]:
                 # the two launches alone (no Python dispatch around them): where the time goes
