@@ -123,3 +123,82 @@ def test_gpu_copy_append_equals_slice_updates(monkeypatch):
     updated = run()
     for a, b in zip(copied.state, updated.state):
         assert (a is None and b is None) or mx.array_equal(a, b)
+
+
+# ---- on every backend: the caches' bookkeeping around the CUDA-only launches ------------------------------
+def _model_launch(codec, keys, values, resident=False):
+    """What the append kernel computes, with the codec's MLX-ops encode (and decode)."""
+    b = keys.shape[0]
+    enc = codec.encode(mx.concatenate([keys, values]), check_finite=False)
+    out = (enc.scales[:b], enc.codes1[:b], enc.codes2[:b], enc.scales[b:], enc.codes1[b:], enc.codes2[b:])
+    if resident:
+        dec = codec.decode(enc)
+        out += (dec[:b], dec[b:])
+    return out
+
+
+def _model_launch_copy(codec, keys, values, key_buffers, value_buffers, n, cap):
+    """The copy append: new buffers of ``cap`` tokens holding the old first ``n`` and then the new ones."""
+    new = _model_launch(codec, keys, values)
+    t = keys.shape[2]
+    out = []
+    for old, fresh in zip((*key_buffers, *value_buffers), new):
+        buf = mx.zeros(old.shape[:2] + (cap,) + old.shape[3:], old.dtype)
+        buf[:, :, :n] = old[:, :, :n]
+        buf[:, :, n:n + t] = fresh
+        out.append(buf)
+    return tuple(out)
+
+
+def _model_unpack(codec, key_buffers, value_buffers, n, dtype):
+    from rvqstore import cache_steps
+
+    k, v = cache_steps.decode_fn(codec, dtype)(*key_buffers, *value_buffers)
+    return k[:, :, :n], v[:, :, :n]
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+def test_kernel_paths_bookkeeping_matches_the_portable_path(monkeypatch, mode):
+    """With the three launches replaced by their MLX-ops models and a CUDA device pretended, a cache
+    (fused append, copy append across a capacity growth, staging, unpack, trims) holds exactly what the
+    portable path holds: the buffer handling around the kernels is tested without a GPU."""
+    from rvqstore import fused
+    from rvqstore.attention import kernel
+
+    rng = np.random.default_rng(11)
+    k = mx.array(rng.standard_normal((1, 2, 300, 64)).astype(np.float32))
+    v = mx.array(rng.standard_normal((1, 2, 300, 64)).astype(np.float32))
+
+    def run():
+        c = RVQKVCache((2, 2), mode=mode)
+        c.update_and_fetch(k[:, :, :250], v[:, :, :250])
+        for i in range(250, 290):  # crosses the 256-token capacity step
+            kk, vv = c.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        c.trim(3)
+        kk, vv = c.update_and_fetch(k[:, :, 287:297], v[:, :, 287:297])
+        mx.eval(kk, vv)
+        return c, kk, vv
+
+    with monkeypatch.context() as m:
+        m.setattr(fused, "gpu_backend", lambda: "cuda")
+        m.setattr(fused, "_on_gpu", lambda: True)
+        m.setattr(fused, "quantize_pack", lambda *a: None)  # the codec's own kernels stay off
+        m.setattr(fused, "unpack_dequantize", lambda *a: None)
+        m.setattr(kernel, "attend", lambda *a, **kw: None)
+        m.setattr(cache_append, "launch", _model_launch)
+        m.setattr(cache_append, "launch_copy", _model_launch_copy)
+        m.setattr(cache_fetch, "launch", _model_unpack)
+        for mod in (cache_append, cache_fetch):
+            m.setattr(mod, "_verified", set())
+            m.setattr(mod, "_disabled", {})
+        fast, fk, fv = run()
+        served = set(cache_append._verified)
+        assert not cache_append._disabled and not cache_fetch._disabled
+    assert any(cfg[-1] == (mode == "resident") for cfg in served)
+    if mode == "packed":
+        assert any("copy" in cfg and cfg[-1] for cfg in served)  # the copy append grew the buffers
+    ref, rk, rv = run()
+    assert fast.offset == ref.offset == 297
+    for a, b in zip(fast.state, ref.state):
+        assert (a is None and b is None) or mx.array_equal(a, b)
+    assert mx.array_equal(fk, rk) and mx.array_equal(fv, rv)
