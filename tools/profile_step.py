@@ -83,7 +83,6 @@ def micro(reps: int = 200) -> dict:
     mx.eval(src)
 
     def updates():
-        nonlocal a
         for i in range(reps):
             a[:, i:i + 1] = src[i]
         return [a]
@@ -95,8 +94,8 @@ def micro(reps: int = 200) -> dict:
     from rvqstore import fused
 
     if fused.gpu_backend() == "cuda":
-        k = mx.fast.cuda_kernel(name="profile_copy", input_names=["inp"], output_names=["out"],
-                                source="uint i = blockIdx.x * blockDim.x + threadIdx.x; if (i < 1024u) out[i] = inp[i] + T(1);",
+        body = "uint i = blockIdx.x * blockDim.x + threadIdx.x; if (i < 1024u) out[i] = inp[i] + T(1);"
+        k = mx.fast.cuda_kernel(name="profile_copy", input_names=["inp"], output_names=["out"], source=body,
                                 header="typedef unsigned int uint;")
 
         def custom():
@@ -118,7 +117,8 @@ def micro(reps: int = 200) -> dict:
             mx.synchronize()
             ts.append((time.perf_counter() - t0) * 1e3 / reps)
             bs.append((t1 - t0) * 1e3 / reps)
-        out[name] = {"ms_per_op": round(statistics.median(ts[1:]), 5), "build_ms_per_op": round(statistics.median(bs[1:]), 5)}
+        out[name] = {"ms_per_op": round(statistics.median(ts[1:]), 5),
+                     "build_ms_per_op": round(statistics.median(bs[1:]), 5)}
     return out
 
 
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     from mlx_lm.models import cache as mlx_cache
 
     from rvqstore import RVQKVCache
-    from rvqstore.attention import hook, kernel
+    from rvqstore.attention import kernel
 
     clock = Clock()
     clock.wrap(RVQKVCache, "update_and_fetch", "rvq.update_and_fetch")
