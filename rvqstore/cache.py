@@ -8,6 +8,12 @@ Modes:
   model's dtype is kept and extended as tokens are coded, so each step decodes only new tokens;
   fast generation at the memory cost of a plain KVCache on top of the codes.
 
+On a CUDA device a decode step's encode is one launch (:mod:`rvqstore.cache_append`: packed caches up
+to ``COPY_MAX_TOKENS`` take whole new buffers from it, longer ones write the new codes with static
+slice updates, resident caches stage their codes and write them in blocks), and what packed mode
+hands back from ``update_and_fetch`` is one launch too (:mod:`rvqstore.cache_fetch`); elsewhere the
+compiled step paths of :mod:`rvqstore.cache_steps` serve (docs/attention.md, "The decode step on a GPU").
+
 The attribute name ``bits`` is deliberately absent: mlx-lm switches attention to its affine
 quantized path for any cache that has it.
 """
