@@ -257,8 +257,9 @@ def test_host_and_ops_formulations_match_decode_then_sdpa(d, hkv, group, n, wind
 def test_host_and_ops_with_several_queries_masks_batches_and_sinks(window, monkeypatch):
     from rvqstore.attention import host
 
-    monkeypatch.setattr(host, "BLOCK", 16)  # several blocks, the last one partial (51 - 8 = 43 coded)
     b, hkv, group, d, n, L = 2, 2, 3, 64, 51, 5
+    monkeypatch.setattr(host, "BLOCK", 16)  # several token blocks, the last one partial (51 - 8 = 43 coded)
+    monkeypatch.setattr(host, "MAX_SCORES", b * hkv * group * n * 2)  # queries in blocks of 2, 2, 1
     cache = RVQKVCache((4, 2), dense_window=window, flush_block=4)
     k, v = _kv(b, hkv, n, d, mx.float16, seed=13)
     K, V = cache.update_and_fetch(k, v)

@@ -108,7 +108,7 @@ def layer_profile(n: int, bits: tuple, rounds: int, reps: int) -> dict:
 
     def whole_compute():
         with host.host_blas.one_thread():
-            host._compute(view, a, consts, q.shape, scale, False)
+            host._compute(view, a, consts, q.shape, scale, False, first=view.n_total - 1)
 
     def append_rvq():
         cache.update_and_fetch(nk1, nk1)

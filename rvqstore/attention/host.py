@@ -60,6 +60,10 @@ def _codec_consts(codec: RVQCodec, two_stage: bool) -> tuple | None:
     return got
 
 
+#: float32 scores held at once (batch x query heads x queries x tokens): longer calls (prefill
+#: chunks) run in blocks of queries, so memory stays bounded at any context
+MAX_SCORES = 1 << 22
+
 #: tokens per block of the gather + matmul: the block's index and row buffers (reused, per thread)
 #: stay in cache, and no buffer grows with the context
 BLOCK = 4096
@@ -144,9 +148,27 @@ def attend(view: CodesView, queries: mx.array, scale: float, mask=None, sinks: m
         a = {k: np.asarray(v) for k, v in lazy.items()}  # zero-copy views of the evaluated arrays
     except ValueError:  # inside mx.compile / vmap: arrays cannot be evaluated there
         return None
+    b, hq, l, dk = queries.shape
+    t = view.n_total
+    step = max(1, MAX_SCORES // max(1, b * hq * t))  # queries per block: bounded scores, whatever the call
+    outs = []
     with host_blas.one_thread():
-        out = _compute(view, a, consts, queries.shape, scale, masks.is_causal(mask))
-    return mx.array(out).astype(queries.dtype)
+        for l0 in range(0, l, step):
+            l1 = min(l, l0 + step)
+            outs.append(_compute(view, _query_block(a, l0, l1, l), consts, (b, hq, l1 - l0, dk), scale,
+                                 masks.is_causal(mask), first=t - l + l0))
+    return mx.array(outs[0] if len(outs) == 1 else np.concatenate(outs, axis=2)).astype(queries.dtype)
+
+
+def _query_block(a: dict, l0: int, l1: int, l: int) -> dict:
+    """The inputs of queries ``[l0, l1)``: the queries and the mask rows (a mask broadcast over the
+    queries stays whole)."""
+    if l0 == 0 and l1 == l:
+        return a
+    out = dict(a, q=a["q"][:, :, l0:l1])
+    if "mask" in a and a["mask"].shape[-2] == l:
+        out["mask"] = a["mask"][..., l0:l1, :]
+    return out
 
 
 def _inputs(view: CodesView, queries: mx.array, mask, sinks, two: dict) -> dict:
@@ -175,8 +197,10 @@ def _inputs(view: CodesView, queries: mx.array, mask, sinks, two: dict) -> dict:
     return lazy
 
 
-def _compute(view: CodesView, a: dict, consts: tuple, qshape: tuple, scale: float, causal: bool) -> np.ndarray:
-    """The attention output ``(B, n_heads, L, Dv)`` float32 from the evaluated inputs ``a``."""
+def _compute(view: CodesView, a: dict, consts: tuple, qshape: tuple, scale: float, causal: bool, first: int
+             ) -> np.ndarray:
+    """The attention output ``(B, n_heads, L, Dv)`` float32 from the evaluated inputs ``a``; the
+    queries sit at positions ``first, first + 1, ...`` of the ``n_total`` held (for a causal mask)."""
     kc, vc = view.key_codec, view.value_codec
     (kconst, vconst), n, t = consts, view.n_coded, view.n_total
     b, hq, l, dk = qshape
@@ -197,8 +221,8 @@ def _compute(view: CodesView, a: dict, consts: tuple, qshape: tuple, scale: floa
     if view.n_dense:
         scores[..., n:] = (q * np.float32(scale)) @ a["dk"].swapaxes(-1, -2)
     scores = scores.reshape(b, hkv, grp, l, t)
-    if causal and l > 1:
-        scores = np.where(_causal(l, t), scores, np.float32(-np.inf))
+    if causal and first < t - 1:
+        scores = np.where(_causal(first, l, t), scores, np.float32(-np.inf))
     elif "mask" in a:
         m = a["mask"]
         scores = np.where(m, scores, np.float32(-np.inf)) if m.dtype == np.bool_ else scores + m
@@ -226,6 +250,7 @@ def _compute(view: CodesView, a: dict, consts: tuple, qshape: tuple, scale: floa
     return out.reshape(b, hq, l, -1)
 
 
-def _causal(n_queries: int, n_keys: int) -> np.ndarray:
-    q = np.arange(n_keys - n_queries, n_keys)[:, None]
+def _causal(first: int, n_queries: int, n_keys: int) -> np.ndarray:
+    """``(L, T)`` boolean: the query at position ``first + i`` sees keys at positions <= its own."""
+    q = np.arange(first, first + n_queries)[:, None]
     return q >= np.arange(n_keys)[None]
