@@ -23,15 +23,16 @@ def _codec_settings(key_codec, mode: str, use_kernels: bool) -> dict:
                 residual=key_codec.residual if key_codec.bits2 else "conditional", mode=mode, use_kernels=use_kernels)
 
 
-def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool) -> Any:
-    """The cache of one layer map (a list child is given as its LayerInfo)."""
+def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool, arrays: dict | None = None) -> Any:
+    """The cache of one layer map (a list child is given as its LayerInfo); ``arrays``: the layers'
+    sections read already (:func:`read_arrays`)."""
     from mlx_lm.models import cache as lm
 
     where = f"{f.path}: layer {layer.index if layer.parent is None else f'{layer.parent}, child {layer.index}'}"
     if layer.kind == "list":
-        return lm.CacheList(*(decode_layer(f, ch, mode=mode, opts=opts, use_kernels=use_kernels)
+        return lm.CacheList(*(decode_layer(f, ch, mode=mode, opts=opts, use_kernels=use_kernels, arrays=arrays)
                               for ch in layer.children))
-    a = f.layer_arrays(layer, as_mx=True)
+    a = arrays[_key(layer)] if arrays is not None else f.layer_arrays(layer, as_mx=True)
     if layer.kind == "arrays":
         c = lm.ArraysCache(layer.n_arrays)
         for k, arr in ((int(kind.split(".", 1)[1]), arr) for kind, arr in a.items() if kind.startswith("state.")):
@@ -70,5 +71,30 @@ def _raise_scale_error(f, where: str, sides: dict, kc, vc, dtype) -> None:
             raise MalformedSectionError(f.path, f"{where[len(f.path) + 2:]} {side}: {e}") from None
 
 
+def _key(layer) -> tuple:
+    return (layer.parent, layer.index)
+
+
+def read_arrays(f) -> dict:
+    """Every layer's (and list child's) sections, checked and copied into MLX, then evaluated at once:
+    the per-layer checks that follow (scales) then find their inputs ready instead of each waiting
+    for its layer's copies (measured: 32 -> 11 ms of scale checks for a 4k-token SmolLM2 file)."""
+    leaves = []
+
+    def visit(layer):
+        if layer.kind == "list":
+            for ch in layer.children:
+                visit(ch)
+        else:
+            leaves.append(layer)
+
+    for layer in f.layers:
+        visit(layer)
+    out = {_key(layer): f.layer_arrays(layer, as_mx=True) for layer in leaves}
+    mx.eval([list(a.values()) for a in out.values()])
+    return out
+
+
 def decode_snapshot(f, *, mode: str, opts: dict, use_kernels: bool) -> list:
-    return [decode_layer(f, layer, mode=mode, opts=opts, use_kernels=use_kernels) for layer in f.layers]
+    arrays = read_arrays(f)
+    return [decode_layer(f, layer, mode=mode, opts=opts, use_kernels=use_kernels, arrays=arrays) for layer in f.layers]
