@@ -1,6 +1,6 @@
 """RVQKVCache: an mlx-lm compatible KV cache that keeps keys and values as TurboQuant-RVQ codes.
 
-Modes:
+Modes (each a class of :mod:`rvqstore.cache_modes`, which the cache calls where they differ):
 - ``"packed"``: only codes and scales are held (plus the optional full-precision window). Each
   ``update_and_fetch`` encodes the new tokens once and decodes the whole coded history; the least
   memory, the most work per generated token.
@@ -26,11 +26,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import attention, cache_append, cache_fetch, cache_steps
+from . import attention, cache_fetch, cache_modes, cache_steps
 from .codec import _FLOAT_DTYPES, DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError, InvalidArgumentError
 
-MODES = ("packed", "resident")
+MODES = cache_modes.MODES  # importable from here as before
 
 
 def check_update(keys: Any, values: Any, geometry: tuple[int, int, int, int] | None) -> tuple[int, int, int, int]:
@@ -249,8 +249,7 @@ class RVQKVCache:
     def __init__(self, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0, residual: str = "conditional", *,
                  mode: str = "packed", dense_window: int = 0, flush_block: int = 64, use_kernels: bool = True,
                  value_bits: tuple[int, int] | int | None = None):
-        if mode not in MODES:
-            raise CodecConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        mode_impl = cache_modes.for_cache(mode)  # refuses an unknown mode
         for name, v, lo in (("dense_window", dense_window, 0), ("flush_block", flush_block, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise CodecConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -261,7 +260,7 @@ class RVQKVCache:
         self.value_bits = self.codec_bits if value_bits is None else _parse_bits(value_bits)
         self.seed = seed
         self.residual = residual
-        self.mode = mode
+        self._mode = mode_impl
         self.dense_window = dense_window
         self.flush_block = flush_block
         self.use_kernels = use_kernels
@@ -270,16 +269,18 @@ class RVQKVCache:
         self._values: _Stream | None = None
         self._dense_k: mx.array | None = None  # (B, H, offset - n_coded, Dk)
         self._dense_v: mx.array | None = None
-        self._res_k: mx.array | None = None  # resident decoded copies of the coded part
-        self._res_v: mx.array | None = None
         self.dtype: mx.Dtype | None = None
         self.geometry: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
         self._steps_off = False  # set when a compiled step path failed (rvqstore.cache_steps)
-        self._resident_written = False  # the compiled append extended the resident copy this update
         self._step_fns: dict = {}  # rvqstore.cache_steps functions of this cache's codec and dtype
         attention.install()  # mlx-lm's attention calls reach attend_on_codes (rvqstore.attention.hook)
 
     # ---- helpers ----------------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        """``"packed"`` or ``"resident"``: the mode object's name (rvqstore.cache_modes)."""
+        return self._mode.name
+
     @property
     def n_coded(self) -> int:
         return 0 if self._keys is None else self._keys.n
@@ -326,8 +327,7 @@ class RVQKVCache:
                 dk, dv = dk[:, :, flush:], dv[:, :, flush:]
             self._dense_k, self._dense_v = dk, dv
         self.offset += t
-        if self.mode == "resident":
-            self._extend_resident(start_coded)
+        self._mode.extend(self, start_coded)  # resident: the decoded copy of the newly coded tokens
         return self._handed_out(self._fetch())
 
     def _handed_out(self, kv: tuple) -> tuple:
@@ -358,49 +358,17 @@ class RVQKVCache:
         return not self._steps_off and self._keys.codec.bits2 > 0 and self._joint()
 
     def _kernel_append(self, keys: mx.array, values: mx.array) -> bool:
-        """On a CUDA device: encode (resident: and decode) through one fused launch (rvqstore.cache_append)."""
-        k = self._keys
-        if not self.use_kernels or k.codec.bits2 == 0:
+        """On a CUDA device: encode (resident: and decode) through one fused launch (rvqstore.cache_append;
+        what the launch writes is the mode's: rvqstore.cache_modes)."""
+        if not self.use_kernels or self._keys.codec.bits2 == 0:
             return False
-        resident = self.mode == "resident"
-        if resident and self._res_k is None and k.n:  # the decoded copy must cover every coded token
-            return False
-        if not resident and k.n and self._copy_append(keys, values):
-            return True
-        out = cache_append.append(k.codec, keys, values, resident)
-        if out is None:
-            return False
-        n, t = k.n, keys.shape[2]
-        if resident:
-            self._grow_resident(n, n + t)
-        self._write_codes(out, t)
-        if resident:
-            self._res_k[:, :, n:n + t] = out[6]
-            self._res_v[:, :, n:n + t] = out[7]
-            self._resident_written = True
-        return True
-
-    def _copy_append(self, keys: mx.array, values: mx.array) -> bool:
-        """Packed, short contexts: the kernel writes whole new buffers (old tokens + new), so the step
-        needs no slice updates (rvqstore.cache_append.COPY_MAX_TOKENS)."""
-        k, v = self._keys, self._values
-        n, cap = k.n, k.scales.shape[-1]
-        need = n + keys.shape[2]
-        if need > cap:
-            cap = -(-need // _Stream.step) * _Stream.step
-        out = cache_append.append_copy(k.codec, keys, values, (k.scales, k.codes1, k.codes2),
-                                       (v.scales, v.codes1, v.codes2), n, cap)
-        if out is None:
-            return False
-        k.take_buffers(out[0], out[1], out[2], need)
-        v.take_buffers(out[3], out[4], out[5], need)
-        return True
+        return self._mode.kernel_append(self, keys, values)
 
     def _write_codes(self, out: tuple, t: int) -> None:
         """Write a step's ``(ks, k1, k2, vs, v1, v2)`` after the coded tokens, with static slices (in
         place, as mlx-lm's KVCache does; the buffers grow in steps of _Stream.step)."""
         k, v = self._keys, self._values
-        if self.mode == "resident" and t == 1:  # attention reads the decoded copy: write in blocks
+        if t == 1 and self._mode.stages_steps:  # attention reads the decoded copy: write in blocks
             k.stage(out[0], out[1], out[2])
             v.stage(out[3], out[4], out[5])
             return
@@ -419,26 +387,22 @@ class RVQKVCache:
         if k.n == 0 or k.scales is None or not self._steps_ok():
             return False
         t = keys.shape[2]
-        # resident mode: the same call writes the decoded copy, once that copy holds every coded token
-        resident = self.mode == "resident" and self._res_k is not None and self._res_k.dtype == self.dtype
-        if resident and self._res_k.shape[2] < k.n + t:
-            self._grow_resident(k.n, k.n + t)
+        # resident mode: the same call decodes the new tokens for the copy, once it holds every coded token
+        decodes = self._mode.step_decodes(self, k.n + t)
         k._grow(k.lead, k.n + t)
         v._grow(v.lead, v.n + t)
         try:
-            fn = self._step_fns.get(resident)
+            fn = self._step_fns.get(decodes)
             if fn is None:  # looked up once per cache (the shared table's key hashes the codebooks)
-                fn = self._step_fns[resident] = cache_steps.append_fn(k.codec, resident)
+                fn = self._step_fns[decodes] = cache_steps.append_fn(k.codec, decodes)
             out = fn(keys, values if values.dtype == keys.dtype else values.astype(keys.dtype))
         except Exception:  # e.g. a kernel's first-use check inside a retrace: the unfused path from now on
             self._steps_off = True
             return False
         n, end = k.n, k.n + t
         self._write_codes(out, t)
-        if resident:
-            self._res_k[:, :, n:end] = out[6].astype(self.dtype)
-            self._res_v[:, :, n:end] = out[7].astype(self.dtype)
-            self._resident_written = True
+        if decodes:
+            self._mode.write(n, end, out[6].astype(self.dtype), out[7].astype(self.dtype))
         return True
 
     def _decode_range(self, start: int, end: int) -> tuple[mx.array, mx.array]:
@@ -451,52 +415,25 @@ class RVQKVCache:
         b = ek.scales.shape[0]
         return both[:b], both[b:]
 
-    def _extend_resident(self, start: int) -> None:
-        """Decode tokens [start, n_coded) into the resident buffers (grown in steps, like KVCache)."""
-        end = self.n_coded
-        if self._resident_written:  # the compiled append wrote the decoded copy already
-            self._resident_written = False
-            return
-        if end <= start:
-            return
-        nk, nv = self._decode_range(start, end)
-        self._grow_resident(start, end)
-        self._res_k[:, :, start:end] = nk
-        self._res_v[:, :, start:end] = nv
-
-    def _grow_resident(self, keep: int, need: int) -> None:
-        """Resident buffers with room for ``need`` tokens (grown in steps, like KVCache), first ``keep`` kept."""
-        cap = 0 if self._res_k is None else self._res_k.shape[2]
-        if need <= cap:
-            return
-        new_cap = -(-need // _Stream.step) * _Stream.step
-        b, h, dk, dv = self.geometry
-        rk, rv = mx.zeros((b, h, new_cap, dk), self.dtype), mx.zeros((b, h, new_cap, dv), self.dtype)
-        if keep:
-            rk[:, :, :keep] = self._res_k[:, :, :keep]
-            rv[:, :, :keep] = self._res_v[:, :, :keep]
-        self._res_k, self._res_v = rk, rv
+    def _decode_coded(self, n: int) -> tuple[mx.array, mx.array]:
+        """The first ``n`` coded tokens decoded (what packed mode hands back): one launch (CUDA) or one
+        compiled call sliced to the used part where the step paths apply, else the codec's decode."""
+        if not self._steps_ok():
+            return self._decode_range(0, n)
+        ks, vs = self._keys, self._values
+        kb, vb = (ks.scales, ks.codes1, ks.codes2), (vs.scales, vs.codes1, vs.codes2)
+        kv = cache_fetch.fetch(ks.codec, kb, vb, n, self.dtype) if self.use_kernels else None
+        if kv is not None:
+            return kv
+        fn = self._step_fns.get("decode")
+        if fn is None:
+            fn = self._step_fns["decode"] = cache_steps.decode_fn(ks.codec, self.dtype)
+        k, v = fn(*kb, *vb)
+        return k[:, :, :n], v[:, :, :n]
 
     def _fetch(self) -> tuple[mx.array, mx.array]:
         n = self.n_coded
-        if self.mode == "resident" and n:
-            k, v = self._res_k[:, :, :n], self._res_v[:, :, :n]
-        elif n and self._steps_ok():  # one launch (CUDA) or one compiled call sliced to the used part
-            ks, vs = self._keys, self._values
-            kb, vb = (ks.scales, ks.codes1, ks.codes2), (vs.scales, vs.codes1, vs.codes2)
-            kv = cache_fetch.fetch(ks.codec, kb, vb, n, self.dtype) if self.use_kernels else None
-            if kv is not None:
-                k, v = kv
-            else:
-                fn = self._step_fns.get("decode")
-                if fn is None:
-                    fn = self._step_fns["decode"] = cache_steps.decode_fn(ks.codec, self.dtype)
-                k, v = fn(*kb, *vb)
-                k, v = k[:, :, :n], v[:, :, :n]
-        elif n:
-            k, v = self._decode_range(0, n)
-        else:
-            k = v = None
+        k, v = self._mode.coded(self, n) if n else (None, None)  # packed: decoded; resident: the copy
         if self.n_dense:
             dk, dv = self._dense_k.astype(self.dtype), self._dense_v.astype(self.dtype)
             k = dk if k is None else mx.concatenate([k, dk], axis=2)
@@ -519,7 +456,7 @@ class RVQKVCache:
         """Attention of ``queries`` over this cache computed from the codes (packed mode), or None
         where decode-then-SDPA serves the call (resident mode holds decoded keys/values already;
         calls with many queries; see rvqstore.attention.dispatch)."""
-        if self.mode != "packed" or self.geometry is None:
+        if not self._mode.attends_on_codes or self.geometry is None:
             return None
         if queries.ndim != 4 or queries.shape[1] % self.geometry[1] or queries.shape[-1] != self.geometry[2]:
             raise InputShapeError(f"queries must be (B, n_heads, L, {self.geometry[2]}) with n_heads a multiple "
@@ -570,10 +507,10 @@ class RVQKVCache:
         for s in (self._keys, self._values):
             if s is not None:
                 total += s.nbytes
-        for a in (self._dense_k, self._dense_v, self._res_k, self._res_v):
+        for a in (self._dense_k, self._dense_v):
             if a is not None:
                 total += a.nbytes
-        return total
+        return total + self._mode.nbytes
 
     @property
     def packed_nbytes(self) -> int:
@@ -635,8 +572,7 @@ class RVQKVCache:
         if dense_keys is not None and dense_keys.shape[2]:
             c._dense_k, c._dense_v, nd = dense_keys, dense_values, dense_keys.shape[2]
         c.offset = n + nd
-        if c.mode == "resident":
-            c._extend_resident(0)
+        c._mode.extend(c, 0)  # resident: decode the loaded codes into the copy
         return c
 
     # ---- conversion from mlx-lm caches ----------------------------------------------------------------

@@ -21,15 +21,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cache import MODES, _Stream, check_update, trim_count
+from . import cache_modes
+from .cache import _Stream, check_update, trim_count
+from .cache_modes import cut as _cut
 from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError
-
-
-def _cut(a: mx.array, keep: int, tail: int) -> mx.array:
-    """Along axis 2: the first ``keep`` entries and the last ``tail`` ones."""
-    n = a.shape[2]
-    return mx.concatenate([a[:, :, :keep], a[:, :, n - tail:]], axis=2)
 
 
 class RVQRotatingKVCache:
@@ -40,7 +36,8 @@ class RVQRotatingKVCache:
         keep: tokens at the start of the sequence that never leave the window, ``0 <= keep < max_size``.
         bits, seed, residual: codec settings (see :class:`rvqstore.RVQCodec`).
         mode: ``"packed"`` (codes only; each update decodes the window) or ``"resident"`` (a decoded
-            copy of the window is kept alongside the codes, so each token is decoded once).
+            copy of the window is kept alongside the codes, so each token is decoded once; both are
+            classes of :mod:`rvqstore.cache_modes`).
         use_kernels: use the fused GPU kernels where available.
     """
 
@@ -51,25 +48,27 @@ class RVQRotatingKVCache:
                 raise CodecConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
         if keep >= max_size:
             raise CodecConfigError(f"keep ({keep}) must be smaller than max_size ({max_size})")
-        if mode not in MODES:
-            raise CodecConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        mode_impl = cache_modes.for_window(mode)  # refuses an unknown mode
         RVQCodec(64, bits, seed, residual)  # validate the codec settings now, not at first use
         self.max_size = max_size
         self.keep = keep
         self.codec_bits = _parse_bits(bits)
         self.seed = seed
         self.residual = residual
-        self.mode = mode
+        self._mode = mode_impl
         self.use_kernels = use_kernels
         self.offset = 0  # tokens seen (absolute position of the next token)
         self._keys: _Stream | None = None
         self._values: _Stream | None = None
-        self._res_k: mx.array | None = None  # resident decoded window (temporal order)
-        self._res_v: mx.array | None = None
         self.dtype: mx.Dtype | None = None
         self.geometry: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
 
     # ---- helpers ----------------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        """``"packed"`` or ``"resident"``: the mode object's name (rvqstore.cache_modes)."""
+        return self._mode.name
+
     @property
     def n_held(self) -> int:
         """Tokens held in the window (sinks included)."""
@@ -97,8 +96,7 @@ class RVQRotatingKVCache:
         for s in (self._keys, self._values):
             sc, c1, c2 = s.used()
             s.set_packed(_cut(sc, keep, tail), _cut(c1, keep, tail), None if c2 is None else _cut(c2, keep, tail))
-        if self._res_k is not None:
-            self._res_k, self._res_v = _cut(self._res_k, keep, tail), _cut(self._res_v, keep, tail)
+        self._mode.cut(keep, tail)  # resident: the decoded window with the codes
 
     def _encode(self, keys: mx.array, values: mx.array) -> None:
         if self.geometry[2] == self.geometry[3]:  # one codec call for both sides
@@ -112,8 +110,12 @@ class RVQRotatingKVCache:
             self._keys.append(keys)
             self._values.append(values)
 
-    def _decode(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+    def _decode_range(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         return self._keys.decode(start, end, self.dtype), self._values.decode(start, end, self.dtype)
+
+    def _decode_coded(self, n: int) -> tuple[mx.array, mx.array]:
+        """The first ``n`` held tokens decoded (what packed mode hands back)."""
+        return self._decode_range(0, n)
 
     # ---- the mlx-lm protocol ------------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -123,16 +125,8 @@ class RVQRotatingKVCache:
         start = self.n_held
         self._encode(keys, values)
         self.offset += keys.shape[2]
-        if self.mode == "resident":
-            nk, nv = self._decode(start, self.n_held)
-            if self._res_k is None or start == 0:
-                self._res_k, self._res_v = nk, nv
-            else:
-                self._res_k = mx.concatenate([self._res_k[:, :, :start], nk], axis=2)
-                self._res_v = mx.concatenate([self._res_v[:, :, :start], nv], axis=2)
-            out = self._res_k, self._res_v
-        else:
-            out = self._decode(0, self.n_held)
+        self._mode.extend(self, start)  # resident: the new tokens decoded into the copy
+        out = self._mode.coded(self, self.n_held)  # packed: the window decoded; resident: the copy
         self._limit(self.max_size)
         return out
 
@@ -140,9 +134,7 @@ class RVQRotatingKVCache:
         """The decoded keys and values of the window (temporal order)."""
         if self.n_held == 0:
             raise InputShapeError("the cache is empty")
-        if self.mode == "resident":
-            return self._res_k, self._res_v
-        return self._decode(0, self.n_held)
+        return self._mode.coded(self, self.n_held)
 
     def size(self) -> int:
         return min(self.offset, self.max_size)
@@ -174,8 +166,7 @@ class RVQRotatingKVCache:
             s.n = held
             sc, c1, c2 = s.used()
             s.set_packed(sc, c1, c2)
-        if self._res_k is not None:
-            self._res_k, self._res_v = self._res_k[:, :, :held], self._res_v[:, :, :held]
+        self._mode.truncate(held)
         self.offset -= n
         return n
 
@@ -199,8 +190,7 @@ class RVQRotatingKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held: codes and scales (allocated capacity), and the resident decoded window."""
-        total = sum(s.nbytes for s in (self._keys, self._values) if s is not None)
-        return total + sum(a.nbytes for a in (self._res_k, self._res_v) if a is not None)
+        return sum(s.nbytes for s in (self._keys, self._values) if s is not None) + self._mode.nbytes
 
     @property
     def packed_nbytes(self) -> int:
@@ -246,8 +236,7 @@ class RVQRotatingKVCache:
         c._keys.set_packed(*keys)
         c._values.set_packed(*values)
         c.offset = offset
-        if c.mode == "resident":
-            c._res_k, c._res_v = c._decode(0, n)
+        c._mode.extend(c, 0)  # resident: decode the loaded window into the copy
         return c
 
     @classmethod
@@ -264,8 +253,7 @@ class RVQRotatingKVCache:
         c._encode(k, v)
         c.offset = cache.offset
         c._limit(c.max_size)
-        if c.mode == "resident":
-            c._res_k, c._res_v = c._decode(0, c.n_held)
+        c._mode.extend(c, 0)
         return c
 
     def __repr__(self) -> str:

@@ -217,7 +217,7 @@ def test_resumed_packed_cache_attends_from_the_files_codes(tmp_path):
     loaded = rvqstore.load_prompt_cache(tmp_path / "p.rvq")
     q = mx.array(np.random.default_rng(9).standard_normal((1, 8, 1, 64)).astype(np.float32)).astype(mx.float16)
     for a, b in zip(caches, loaded):
-        assert b.mode == "packed" and b._res_k is None and b.n_coded == 77
+        assert b.mode == "packed" and b._mode.nbytes == 0 and b.n_coded == 77
         assert b.nbytes == b.packed_nbytes  # codes and scales only: nothing was decoded
         assert mx.array_equal(a.attend_on_codes(q, scale=0.125), b.attend_on_codes(q, scale=0.125))
 

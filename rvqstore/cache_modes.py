@@ -1,0 +1,222 @@
+"""The modes of the RVQ caches, one class each: what a cache holds beside its codes, what an update
+hands back, and whether attention may read the codes.
+
+- :class:`Packed`: codes and scales only. An update hands back a decode of the coded tokens (built
+  lazily; where attention on codes serves the model's call it is never evaluated); the least
+  memory, the most work per generated token.
+- :class:`Resident` (``RVQKVCache``) and :class:`ResidentWindow` (``RVQRotatingKVCache``): the codes
+  are still the state (what is saved), and a decoded copy of the coded tokens in the model's dtype
+  is kept beside them and extended as tokens are coded, so each token is decoded once; an update
+  hands back that copy, and attention runs on it (decode-then-SDPA), never on the codes.
+
+A cache holds one mode object, made from its ``mode=`` string by :func:`for_cache` or
+:func:`for_window`, and calls it where the modes differ instead of branching on the string. The
+caches keep what does not differ: the code streams, the window, how they decode their codes
+(``_decode_range``, ``_decode_coded``) and their compiled step paths. The two resident classes
+differ in how they store the copy: ``RVQKVCache`` grows it in steps and writes new tokens in place
+(as mlx-lm's KVCache), on CUDA straight from the fused append (:mod:`rvqstore.cache_append`);
+``RVQRotatingKVCache`` keeps exactly the window, cut with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from . import cache_append
+from .errors import CodecConfigError
+
+MODES = ("packed", "resident")
+
+
+def check_mode(mode: Any) -> None:
+    if mode not in MODES:
+        raise CodecConfigError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def for_cache(mode: str) -> "Packed | Resident":
+    """The mode object of an ``RVQKVCache`` made with ``mode=``."""
+    check_mode(mode)
+    return Packed() if mode == "packed" else Resident()
+
+
+def for_window(mode: str) -> "Packed | ResidentWindow":
+    """The mode object of an ``RVQRotatingKVCache`` made with ``mode=``."""
+    check_mode(mode)
+    return Packed() if mode == "packed" else ResidentWindow()
+
+
+def cut(a: mx.array, keep: int, tail: int) -> mx.array:
+    """Along axis 2: the first ``keep`` entries and the last ``tail`` ones."""
+    n = a.shape[2]
+    return mx.concatenate([a[:, :, :keep], a[:, :, n - tail:]], axis=2)
+
+
+class Packed:
+    """Codes only (both cache kinds): updates hand back a decode of the codes; attention may read them."""
+
+    __slots__ = ()
+    name = "packed"
+    attends_on_codes = True
+    stages_steps = False  # attention reads the code buffers: a step's codes are written at once
+    nbytes = 0  # nothing held beside the codes
+
+    def extend(self, cache: Any, start: int) -> None:
+        """Nothing to keep up to date after tokens [start, n) were coded."""
+
+    def coded(self, cache: Any, n: int) -> tuple[mx.array, mx.array]:
+        """Keys and values of the first ``n`` coded tokens, as an update hands them back."""
+        return cache._decode_coded(n)
+
+    def cut(self, keep: int, tail: int) -> None:
+        """(RVQRotatingKVCache) nothing to cut beside the codes."""
+
+    def truncate(self, n: int) -> None:
+        """(RVQRotatingKVCache) nothing to trim beside the codes."""
+
+    def step_decodes(self, cache: Any, need: int) -> bool:
+        """(RVQKVCache) whether the compiled step also decodes the new tokens: not for packed caches."""
+        return False
+
+    def kernel_append(self, cache: Any, keys: mx.array, values: mx.array) -> bool:
+        """(RVQKVCache, CUDA) append through the fused kernel: up to ``COPY_MAX_TOKENS`` whole new
+        buffers from the copy append, else the launch's codes written with static slices."""
+        k = cache._keys
+        if k.n and self._copy_append(cache, keys, values):
+            return True
+        out = cache_append.append(k.codec, keys, values, False)
+        if out is None:
+            return False
+        cache._write_codes(out, keys.shape[2])
+        return True
+
+    @staticmethod
+    def _copy_append(cache: Any, keys: mx.array, values: mx.array) -> bool:
+        """Short contexts: the kernel writes whole new buffers (old tokens + new), so the step needs
+        no slice updates (rvqstore.cache_append.COPY_MAX_TOKENS)."""
+        k, v = cache._keys, cache._values
+        n, cap = k.n, k.scales.shape[-1]
+        need = n + keys.shape[2]
+        if need > cap:
+            cap = -(-need // k.step) * k.step
+        out = cache_append.append_copy(k.codec, keys, values, (k.scales, k.codes1, k.codes2),
+                                       (v.scales, v.codes1, v.codes2), n, cap)
+        if out is None:
+            return False
+        k.take_buffers(out[0], out[1], out[2], need)
+        v.take_buffers(out[3], out[4], out[5], need)
+        return True
+
+
+class _DecodedCopy:
+    """A decoded copy of the coded keys and values beside the codes (the resident modes)."""
+
+    __slots__ = ("keys", "values")
+    name = "resident"
+    attends_on_codes = False  # attention runs on the decoded copy
+
+    def __init__(self):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.keys, self.values) if a is not None)
+
+
+class Resident(_DecodedCopy):
+    """RVQKVCache's decoded copy: buffers grown in steps (like mlx-lm's KVCache), new tokens written
+    in place; a step's codes are staged and written in blocks (:meth:`rvqstore.cache._Stream.stage`)."""
+
+    __slots__ = ("_written",)
+    stages_steps = True  # attention reads the decoded copy, not the code buffers
+
+    def __init__(self):
+        super().__init__()
+        self._written = False  # this update's append wrote the new tokens' decoded copy already
+
+    def extend(self, cache: Any, start: int) -> None:
+        """Decode tokens [start, n_coded) into the copy (unless the append wrote them already)."""
+        end = cache.n_coded
+        if self._written:
+            self._written = False
+            return
+        if end <= start:
+            return
+        nk, nv = cache._decode_range(start, end)
+        self.grow(cache, start, end)
+        self.keys[:, :, start:end] = nk
+        self.values[:, :, start:end] = nv
+
+    def coded(self, cache: Any, n: int) -> tuple[mx.array, mx.array]:
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+    def grow(self, cache: Any, keep: int, need: int) -> None:
+        """Room for ``need`` tokens (grown in steps of the streams' step), the first ``keep`` kept."""
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        if need <= cap:
+            return
+        step = cache._keys.step
+        new_cap = -(-need // step) * step
+        b, h, dk, dv = cache.geometry
+        rk, rv = mx.zeros((b, h, new_cap, dk), cache.dtype), mx.zeros((b, h, new_cap, dv), cache.dtype)
+        if keep:
+            rk[:, :, :keep] = self.keys[:, :, :keep]
+            rv[:, :, :keep] = self.values[:, :, :keep]
+        self.keys, self.values = rk, rv
+
+    def write(self, start: int, end: int, keys: mx.array, values: mx.array) -> None:
+        """A step's decoded new tokens [start, end), from the same call that coded them."""
+        self.keys[:, :, start:end] = keys
+        self.values[:, :, start:end] = values
+        self._written = True
+
+    def step_decodes(self, cache: Any, need: int) -> bool:
+        """Whether the compiled step also decodes the new tokens (once the copy holds every coded token
+        in the cache's dtype); if so, the copy is grown to ``need`` tokens for them."""
+        if self.keys is None or self.keys.dtype != cache.dtype:
+            return False
+        if self.keys.shape[2] < need:
+            self.grow(cache, cache._keys.n, need)
+        return True
+
+    def kernel_append(self, cache: Any, keys: mx.array, values: mx.array) -> bool:
+        """(CUDA) one launch codes the new tokens and decodes them for the copy."""
+        k = cache._keys
+        if self.keys is None and k.n:  # the decoded copy must cover every coded token
+            return False
+        out = cache_append.append(k.codec, keys, values, True)
+        if out is None:
+            return False
+        n, t = k.n, keys.shape[2]
+        self.grow(cache, n, n + t)
+        cache._write_codes(out, t)
+        self.write(n, n + t, out[6], out[7])
+        return True
+
+
+class ResidentWindow(_DecodedCopy):
+    """RVQRotatingKVCache's decoded copy: exactly the window (sinks first), cut with it."""
+
+    __slots__ = ()
+
+    def extend(self, cache: Any, start: int) -> None:
+        """Decode tokens [start, n_held) and put them after the copy's first ``start`` tokens."""
+        nk, nv = cache._decode_range(start, cache.n_held)
+        if self.keys is None or start == 0:
+            self.keys, self.values = nk, nv
+        else:
+            self.keys = mx.concatenate([self.keys[:, :, :start], nk], axis=2)
+            self.values = mx.concatenate([self.values[:, :, :start], nv], axis=2)
+
+    def coded(self, cache: Any, n: int) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values  # the whole window: n is what it holds
+
+    def cut(self, keep: int, tail: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = cut(self.keys, keep, tail), cut(self.values, keep, tail)
+
+    def truncate(self, n: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]
