@@ -107,7 +107,7 @@ def goals_table(res: dict, protocol: str = "half") -> list[str]:
                 hd = on_disk(r, text=h)
                 cells += [f"{hd:.3f}" if hd is not None else "–", _e(r["texts"][h]["tok_kl"]), _pct(r["texts"][h])]
             cells += ["**met**" if ok else "missed",
-                      (f"yes ({len(beaten)} of {len(rivals)}: best {min(rivals, key=lambda x: x['pooled']['tok_kl'])['name']})"
+                      (f"yes ({len(beaten)} of {len(rivals)}; lowest-KL rival {min(rivals, key=lambda x: x['pooled']['tok_kl'])['name']})"
                        if len(beaten) == len(rivals) else
                        f"no: behind {', '.join(x['name'] for x in rivals if x not in beaten)}") if rivals else "none at ≤ bits"]
             out.append("| " + " | ".join(cells) + " |")
