@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import attention, cache_fetch, cache_modes, cache_steps
+from . import attention, cache_modes, cache_steps
 from .codec import _FLOAT_DTYPES, DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError, InvalidArgumentError
 
@@ -345,7 +345,10 @@ class RVQKVCache:
             self._keys.append(keys)
             self._values.append(values)
             return
-        if self._kernel_append(keys, values) or self._compiled_append(keys, values):
+        # on a CUDA device: encode (resident: and decode) through one fused launch (rvqstore.cache_append;
+        # what the launch writes is the mode's: rvqstore.cache_modes)
+        kernels = self.use_kernels and self._keys.codec.bits2
+        if (kernels and self._mode.kernel_append(self, keys, values)) or self._compiled_append(keys, values):
             return
         b = keys.shape[0]
         enc = self._keys.codec.encode(mx.concatenate([keys, values.astype(keys.dtype)], axis=0), check_finite=False)
@@ -356,13 +359,6 @@ class RVQKVCache:
     def _steps_ok(self) -> bool:
         """The compiled per-step paths apply (rvqstore.cache_steps): joint, two-stage, not switched off."""
         return not self._steps_off and self._keys.codec.bits2 > 0 and self._joint()
-
-    def _kernel_append(self, keys: mx.array, values: mx.array) -> bool:
-        """On a CUDA device: encode (resident: and decode) through one fused launch (rvqstore.cache_append;
-        what the launch writes is the mode's: rvqstore.cache_modes)."""
-        if not self.use_kernels or self._keys.codec.bits2 == 0:
-            return False
-        return self._mode.kernel_append(self, keys, values)
 
     def _write_codes(self, out: tuple, t: int) -> None:
         """Write a step's ``(ks, k1, k2, vs, v1, v2)`` after the coded tokens, with static slices (in
@@ -414,22 +410,6 @@ class RVQKVCache:
             None if ek.codes2 is None else mx.concatenate([ek.codes2, ev.codes2]), self.dtype))
         b = ek.scales.shape[0]
         return both[:b], both[b:]
-
-    def _decode_coded(self, n: int) -> tuple[mx.array, mx.array]:
-        """The first ``n`` coded tokens decoded (what packed mode hands back): one launch (CUDA) or one
-        compiled call sliced to the used part where the step paths apply, else the codec's decode."""
-        if not self._steps_ok():
-            return self._decode_range(0, n)
-        ks, vs = self._keys, self._values
-        kb, vb = (ks.scales, ks.codes1, ks.codes2), (vs.scales, vs.codes1, vs.codes2)
-        kv = cache_fetch.fetch(ks.codec, kb, vb, n, self.dtype) if self.use_kernels else None
-        if kv is not None:
-            return kv
-        fn = self._step_fns.get("decode")
-        if fn is None:
-            fn = self._step_fns["decode"] = cache_steps.decode_fn(ks.codec, self.dtype)
-        k, v = fn(*kb, *vb)
-        return k[:, :, :n], v[:, :, :n]
 
     def _fetch(self) -> tuple[mx.array, mx.array]:
         n = self.n_coded

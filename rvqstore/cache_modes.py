@@ -1,21 +1,22 @@
-"""The modes of the RVQ caches, one class each: what a cache holds beside its codes, what an update
+"""The modes of the RVQ caches, a class each: what a cache holds beside its codes, what an update
 hands back, and whether attention may read the codes.
 
-- :class:`Packed`: codes and scales only. An update hands back a decode of the coded tokens (built
-  lazily; where attention on codes serves the model's call it is never evaluated); the least
-  memory, the most work per generated token.
-- :class:`Resident` (``RVQKVCache``) and :class:`ResidentWindow` (``RVQRotatingKVCache``): the codes
-  are still the state (what is saved), and a decoded copy of the coded tokens in the model's dtype
-  is kept beside them and extended as tokens are coded, so each token is decoded once; an update
-  hands back that copy, and attention runs on it (decode-then-SDPA), never on the codes.
+- packed (:class:`Packed` for ``RVQKVCache``, :class:`PackedWindow` for ``RVQRotatingKVCache``):
+  codes and scales only. An update hands back a decode of the coded tokens (built lazily; where
+  attention on codes serves the model's call it is never evaluated); the least memory, the most
+  work per generated token.
+- resident (:class:`Resident`, :class:`ResidentWindow`): the codes are still the state (what is
+  saved), and a decoded copy of the coded tokens in the model's dtype is kept beside them and
+  extended as tokens are coded, so each token is decoded once; an update hands back that copy, and
+  attention runs on it (decode-then-SDPA), never on the codes.
 
 A cache holds one mode object, made from its ``mode=`` string by :func:`for_cache` or
-:func:`for_window`, and calls it where the modes differ instead of branching on the string. The
-caches keep what does not differ: the code streams, the window, how they decode their codes
-(``_decode_range``, ``_decode_coded``) and their compiled step paths. The two resident classes
-differ in how they store the copy: ``RVQKVCache`` grows it in steps and writes new tokens in place
-(as mlx-lm's KVCache), on CUDA straight from the fused append (:mod:`rvqstore.cache_append`);
-``RVQRotatingKVCache`` keeps exactly the window, cut with it.
+:func:`for_window`, and calls it where the modes differ instead of branching on the string; what a
+mode is for both kinds sits in a base (:class:`CodesOnly`, :class:`DecodedCopy`). The caches keep
+what does not differ: the code streams, the window, ``_decode_range`` and the compiled step paths.
+``RVQKVCache``'s modes carry its GPU step paths (:mod:`rvqstore.cache_append`,
+:mod:`rvqstore.cache_fetch`) and grow the copy in steps, writing new tokens in place (as mlx-lm's
+KVCache); ``RVQRotatingKVCache``'s keep exactly the window, cut with it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import cache_append
+from . import cache_append, cache_fetch, cache_steps
 from .errors import CodecConfigError
 
 MODES = ("packed", "resident")
@@ -35,16 +36,16 @@ def check_mode(mode: Any) -> None:
         raise CodecConfigError(f"mode must be one of {MODES}, got {mode!r}")
 
 
-def for_cache(mode: str) -> "Packed | Resident":
+def for_cache(mode: str) -> "CodesOnly | DecodedCopy":
     """The mode object of an ``RVQKVCache`` made with ``mode=``."""
     check_mode(mode)
     return Packed() if mode == "packed" else Resident()
 
 
-def for_window(mode: str) -> "Packed | ResidentWindow":
+def for_window(mode: str) -> "CodesOnly | DecodedCopy":
     """The mode object of an ``RVQRotatingKVCache`` made with ``mode=``."""
     check_mode(mode)
-    return Packed() if mode == "packed" else ResidentWindow()
+    return PackedWindow() if mode == "packed" else ResidentWindow()
 
 
 def cut(a: mx.array, keep: int, tail: int) -> mx.array:
@@ -53,35 +54,48 @@ def cut(a: mx.array, keep: int, tail: int) -> mx.array:
     return mx.concatenate([a[:, :, :keep], a[:, :, n - tail:]], axis=2)
 
 
-class Packed:
-    """Codes only (both cache kinds): updates hand back a decode of the codes; attention may read them."""
+class CodesOnly:
+    """Packed mode, both kinds: nothing held beside the codes; updates hand back a decode of them."""
 
     __slots__ = ()
     name = "packed"
     attends_on_codes = True
-    stages_steps = False  # attention reads the code buffers: a step's codes are written at once
-    nbytes = 0  # nothing held beside the codes
+    nbytes = 0
 
     def extend(self, cache: Any, start: int) -> None:
         """Nothing to keep up to date after tokens [start, n) were coded."""
 
+
+class Packed(CodesOnly):
+    """RVQKVCache's packed mode: a step's codes written at once (attention reads the code buffers);
+    what an update hands back is one launch (CUDA) or one compiled call where the step paths apply."""
+
+    __slots__ = ()
+    stages_steps = False
+
     def coded(self, cache: Any, n: int) -> tuple[mx.array, mx.array]:
-        """Keys and values of the first ``n`` coded tokens, as an update hands them back."""
-        return cache._decode_coded(n)
-
-    def cut(self, keep: int, tail: int) -> None:
-        """(RVQRotatingKVCache) nothing to cut beside the codes."""
-
-    def truncate(self, n: int) -> None:
-        """(RVQRotatingKVCache) nothing to trim beside the codes."""
+        """The first ``n`` coded tokens decoded: one launch (CUDA) or one compiled call sliced to the
+        used part where the step paths apply, else the codec's decode."""
+        if not cache._steps_ok():
+            return cache._decode_range(0, n)
+        ks, vs = cache._keys, cache._values
+        kb, vb = (ks.scales, ks.codes1, ks.codes2), (vs.scales, vs.codes1, vs.codes2)
+        kv = cache_fetch.fetch(ks.codec, kb, vb, n, cache.dtype) if cache.use_kernels else None
+        if kv is not None:
+            return kv
+        fn = cache._step_fns.get("decode")
+        if fn is None:
+            fn = cache._step_fns["decode"] = cache_steps.decode_fn(ks.codec, cache.dtype)
+        k, v = fn(*kb, *vb)
+        return k[:, :, :n], v[:, :, :n]
 
     def step_decodes(self, cache: Any, need: int) -> bool:
-        """(RVQKVCache) whether the compiled step also decodes the new tokens: not for packed caches."""
+        """Whether the compiled step also decodes the new tokens: not for packed caches."""
         return False
 
     def kernel_append(self, cache: Any, keys: mx.array, values: mx.array) -> bool:
-        """(RVQKVCache, CUDA) append through the fused kernel: up to ``COPY_MAX_TOKENS`` whole new
-        buffers from the copy append, else the launch's codes written with static slices."""
+        """(CUDA) append through the fused kernel: up to ``COPY_MAX_TOKENS`` whole new buffers from the
+        copy append, else the launch's codes written with static slices."""
         k = cache._keys
         if k.n and self._copy_append(cache, keys, values):
             return True
@@ -109,8 +123,23 @@ class Packed:
         return True
 
 
-class _DecodedCopy:
-    """A decoded copy of the coded keys and values beside the codes (the resident modes)."""
+class PackedWindow(CodesOnly):
+    """RVQRotatingKVCache's packed mode: an update hands back the window decoded."""
+
+    __slots__ = ()
+
+    def coded(self, cache: Any, n: int) -> tuple[mx.array, mx.array]:
+        return cache._decode_range(0, n)
+
+    def cut(self, keep: int, tail: int) -> None:
+        """Nothing to cut beside the codes."""
+
+    def truncate(self, n: int) -> None:
+        """Nothing to trim beside the codes."""
+
+
+class DecodedCopy:
+    """Resident mode, both kinds: a decoded copy of the coded keys and values beside the codes."""
 
     __slots__ = ("keys", "values")
     name = "resident"
@@ -125,7 +154,7 @@ class _DecodedCopy:
         return sum(a.nbytes for a in (self.keys, self.values) if a is not None)
 
 
-class Resident(_DecodedCopy):
+class Resident(DecodedCopy):
     """RVQKVCache's decoded copy: buffers grown in steps (like mlx-lm's KVCache), new tokens written
     in place; a step's codes are staged and written in blocks (:meth:`rvqstore.cache._Stream.stage`)."""
 
@@ -196,7 +225,7 @@ class Resident(_DecodedCopy):
         return True
 
 
-class ResidentWindow(_DecodedCopy):
+class ResidentWindow(DecodedCopy):
     """RVQRotatingKVCache's decoded copy: exactly the window (sinks first), cut with it."""
 
     __slots__ = ()

@@ -113,10 +113,6 @@ class RVQRotatingKVCache:
     def _decode_range(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         return self._keys.decode(start, end, self.dtype), self._values.decode(start, end, self.dtype)
 
-    def _decode_coded(self, n: int) -> tuple[mx.array, mx.array]:
-        """The first ``n`` held tokens decoded (what packed mode hands back)."""
-        return self._decode_range(0, n)
-
     # ---- the mlx-lm protocol ------------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` (B, H, S, D); return the window attention sees (temporal order)."""

@@ -192,11 +192,14 @@ def test_kernel_paths_bookkeeping_matches_the_portable_path(monkeypatch, mode):
             m.setattr(mod, "_verified", set())
             m.setattr(mod, "_disabled", {})
         fast, fk, fv = run()
-        served = set(cache_append._verified)
+        served, unpacked = set(cache_append._verified), set(cache_fetch._verified)
         assert not cache_append._disabled and not cache_fetch._disabled
     assert any(cfg[-1] == (mode == "resident") for cfg in served)
     if mode == "packed":
         assert any("copy" in cfg and cfg[-1] for cfg in served)  # the copy append grew the buffers
+        assert unpacked  # what update_and_fetch handed back came from the unpack (cache_modes.Packed.coded)
+    else:
+        assert not unpacked  # resident caches hand back their decoded copy
     ref, rk, rv = run()
     assert fast.offset == ref.offset == 297
     for a, b in zip(fast.state, ref.state):
