@@ -258,7 +258,7 @@ def test_host_and_ops_with_several_queries_masks_batches_and_sinks(window, monke
     from rvqstore.attention import host
 
     b, hkv, group, d, n, L = 2, 2, 3, 64, 51, 5
-    monkeypatch.setattr(host, "BLOCK", 16)  # several token blocks, the last one partial (51 - 8 = 43 coded)
+    monkeypatch.setattr(host, "BLOCK_VECTORS", b * hkv * 16)  # token blocks of 16, the last one partial (43 coded)
     monkeypatch.setattr(host, "MAX_SCORES", b * hkv * group * n * 2)  # queries in blocks of 2, 2, 1
     cache = RVQKVCache((4, 2), dense_window=window, flush_block=4)
     k, v = _kv(b, hkv, n, d, mx.float16, seed=13)

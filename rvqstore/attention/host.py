@@ -64,9 +64,10 @@ def _codec_consts(codec: RVQCodec, two_stage: bool) -> tuple | None:
 #: chunks) run in blocks of queries, so memory stays bounded at any context
 MAX_SCORES = 1 << 22
 
-#: tokens per block of the gather + matmul: the block's index and row buffers (reused, per thread)
-#: stay in cache, and no buffer grows with the context
-BLOCK = 4096
+#: code vectors (batch x KV heads x tokens) per block of the gather + matmul: the block's index and
+#: row buffers (reused, per thread) stay a few MB whatever the context or batch (SmolLM2's 3 KV
+#: heads: 10,922 tokens per block)
+BLOCK_VECTORS = 1 << 15
 _scratch = threading.local()
 
 
@@ -208,12 +209,13 @@ def _compute(view: CodesView, a: dict, consts: tuple, qshape: tuple, scale: floa
     grp = hq // hkv
     r = grp * l
     q = a["q"].reshape(b, hkv, r, dk)
+    block = max(1, BLOCK_VECTORS // (b * hkv))  # tokens per gather block
     scores = np.empty((b, hkv, r, t), np.float32)
     if n:
         q_rot = ((q * kconst[4]) @ kconst[2]) * np.float32(scale / dk)
         k1, k2 = a["k1"], a.get("k2")
-        for s0 in range(0, n, BLOCK):
-            s1 = min(n, s0 + BLOCK)
+        for s0 in range(0, n, block):
+            s1 = min(n, s0 + block)
             yk = _rows(kc, kconst, k1[:, :, s0:s1], None if k2 is None else k2[:, :, s0:s1])
             # tall-skinny (rows x D) @ (D x R): measured steadier and faster than q_rot @ yk.T
             scores[..., s0:s1] = (yk @ q_rot.swapaxes(-1, -2)).swapaxes(-1, -2)
@@ -240,8 +242,8 @@ def _compute(view: CodesView, a: dict, consts: tuple, qshape: tuple, scale: floa
     if n:
         pv = p[..., :n] * _bf16_to_f32(a["vs"])[:, :, None, :]
         v1, v2 = a["v1"], a.get("v2")
-        for s0 in range(0, n, BLOCK):
-            s1 = min(n, s0 + BLOCK)
+        for s0 in range(0, n, block):
+            s1 = min(n, s0 + block)
             yv = _rows(vc, vconst, v1[:, :, s0:s1], None if v2 is None else v2[:, :, s0:s1])
             out += pv[..., s0:s1] @ yv
         out = (out @ vconst[3]) * vconst[4]  # un-rotate once per head and query
