@@ -4,14 +4,16 @@ For every text and method: the model runs over the text with every key and value
 through the method (simulated cache; for RVQ exactly what ``RVQKVCache`` stores), and its next-token
 distributions on the second half of the text are compared with the unquantized (float32) run:
 mean token KL (the primary figure), perplexity change with a 95% block-bootstrap interval, top-1
-agreement, and key/value relative error. Figures are given per text and pooled over the tuning
-texts; a text kept aside (named ``held...``) is reported separately and never used to choose.
+agreement, and key/value relative error; and bits per coordinate ON DISK, measured by saving the
+cached half as a real file (``quality.disk_bits``). Figures are given per text and pooled over the
+tuning texts; a text kept aside (named ``held...``) is reported separately and never used to choose.
+``--fit 3,4.5,6`` finds the allocation's fixed-width target that lands at each on-disk budget.
 
     python tools/eval_quality.py [--model PATH] [--text NAME=FILE ...] [--tokens 512]
         [--protocol half --protocol stream] [--methods rvq,rotated,affine,alloc]
         [--profile tools/results/quality-sensitivity-smollm2.json]
         [--runs tools/results/quality-runs] [--json tools/results/quality-smollm2.json]
-        [--out docs] [--from-json FILE]
+        [--out docs] [--from-json FILE [--attach-disk] [--precise-json FILE]] [--fit BUDGETS]
 
 Runs already in ``--runs`` are reused (a long evaluation resumes). Needs matplotlib for the plot.
 """

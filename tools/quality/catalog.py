@@ -13,7 +13,7 @@ ROTATED = ((2, 32), (3, 64), (3, 32), (4, 64), (4, 32), (5, 64), (5, 32))
 AFFINE = ((4, 64),)
 SIDES = (((2, 1), (1, 1)), ((2, 2), (1, 1)), ((4, 1), (2, 1)), ((4, 1), (2, 2)), ((4, 2), (2, 1)), ((4, 2), (2, 2)),
          ((4, 2), (4, 1)))
-BUDGETS = (3.0, 4.5, 6.0)  # the three goals, bits per coordinate
+BUDGETS = (3.0, 4.5, 6.0)  # default fixed-width targets of the alloc group (the on-disk ones: --fit, rvqstore.presets)
 
 
 def group(name: str, *, dim: int = 64, profile: dict | None = None,
