@@ -42,6 +42,18 @@ import mlx.core as mx  # noqa: E402
 ARMS = ("kv", "q4", "packed-2+2", "packed-4+2", "resident-2+2", "resident-4+2")
 
 
+def add_geometry_args(ap) -> None:
+    """The random-weight model's geometry (default: Llama-3-8B), as :func:`build_model` reads it."""
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--dtype", default="float16")
+
+
 def build_model(a):
     if a.model == "smollm2":
         from rvqstore.blas import maybe_reexec_with_openblas
@@ -239,14 +251,7 @@ def markdown(res):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("smollm2", "random"), default="smollm2")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--dtype", default="float16")
+    add_geometry_args(ap)
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--steps", type=int, default=8)

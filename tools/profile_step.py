@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from tools.bench_generation import build_model, fill, geometry, make_caches, trim  # noqa: E402
+from tools.bench_generation import add_geometry_args, build_model, fill, geometry, make_caches, trim  # noqa: E402
 
 
 def primitives(arrays) -> collections.Counter:
@@ -145,14 +145,7 @@ def time_arm(model, caches, steps: int, tok0: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--dtype", default="float16")
+    add_geometry_args(ap)
     ap.add_argument("--small", action="store_true", help="8 layers, hidden 512, MLP 1024, vocab 1024 (CPU)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--arms", default="kv,packed-2+2,resident-2+2")
