@@ -21,7 +21,6 @@ to 256; two-stage codes of 1, 2 or 4 bits per stage; keys and values of one dtyp
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import threading
 import weakref
@@ -29,12 +28,11 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from . import fused
+from . import first_use, fused
 from .attention.kernel import count_array
 from .codec import EncodedVectors
 from .kernel_plan import DECODE, ENCODE, make_plan
 
-log = logging.getLogger("rvqstore.kernels")
 
 _lock = threading.Lock()
 _kernel_fns: dict = {}  # (resident, copy) -> kernel
@@ -213,27 +211,20 @@ def append_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, val
         return None
     grows = cap != key_buffers[0].shape[-1]
     config = s.config(keys.dtype, False) + ("copy", grows)
-    if config in _disabled:
+
+    def same_as_slice_updates(out):
+        want = launch(codec, keys, values)
+        t = keys.shape[2]
+        mx.eval(out, want)
+        for got, old, new in zip(out, (*key_buffers, *value_buffers), want):
+            if not (bool(mx.array_equal(got[:, :, :n], old[:, :, :n], equal_nan=True).item())
+                    and bool(mx.array_equal(got[:, :, n:n + t], new, equal_nan=True).item())):
+                return "the copied buffers differ from slice updates"
         return None
-    try:
-        out = launch_copy(codec, keys, values, key_buffers, value_buffers, n, cap)
-        if config not in _verified:
-            want = launch(codec, keys, values)
-            t = keys.shape[2]
-            mx.eval(out, want)
-            olds = (*key_buffers, *value_buffers)
-            for got, old, new in zip(out, olds, want):
-                if not (bool(mx.array_equal(got[:, :, :n], old[:, :, :n], equal_nan=True).item())
-                        and bool(mx.array_equal(got[:, :, n:n + t], new, equal_nan=True).item())):
-                    raise RuntimeError("first-use check failed: the copied buffers differ from slice updates")
-            with _lock:
-                _verified.add(config)
-        return out
-    except Exception as err:
-        with _lock:
-            _disabled[config] = f"{type(err).__name__}: {err}"
-        log.warning("fused append (copy) switched off for %s; using slice updates: %s", config, err)
-        return None
+
+    return first_use.serve(config, lambda: launch_copy(codec, keys, values, key_buffers, value_buffers, n, cap),
+                           same_as_slice_updates, verified=_verified, disabled=_disabled, lock=_lock,
+                           what="fused append (copy; slice updates instead)")
 
 
 def check(codec, keys: mx.array, values: mx.array, out: tuple) -> str | None:
@@ -271,23 +262,14 @@ def append(codec, keys: mx.array, values: mx.array, resident: bool = False) -> t
     if s is None:
         return None
     config = s.config(keys.dtype, resident)
-    if config in _disabled:
-        return None
-    try:
-        out = launch(codec, keys, values, resident)
-        if config not in _verified:  # first use: build, run, compare with the codec's encode
-            mx.eval(out)
-            why = check(codec, keys, values, out)
-            if why is not None:
-                raise RuntimeError(f"first-use check failed: {why}")
-            with _lock:
-                _verified.add(config)
-        return out
-    except Exception as err:  # a kernel that cannot build, run or agree: latch off, say so once
-        with _lock:
-            _disabled[config] = f"{type(err).__name__}: {err}"
-        log.warning("fused append kernel switched off for %s; using the codec's encode: %s", config, err)
-        return None
+
+    def same_as_encode(out):  # first use: build, run, compare with the codec's encode
+        mx.eval(out)
+        return check(codec, keys, values, out)
+
+    return first_use.serve(config, lambda: launch(codec, keys, values, resident), same_as_encode,
+                           verified=_verified, disabled=_disabled, lock=_lock,
+                           what="fused append kernel (the codec's encode instead)")
 
 
 def disabled() -> dict:

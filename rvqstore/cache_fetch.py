@@ -13,18 +13,16 @@ where they differ. CUDA only; the configurations of :mod:`rvqstore.cache_append`
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 import weakref
 
 import mlx.core as mx
 import numpy as np
 
-from . import cache_append, cache_steps, fused
+from . import cache_append, cache_steps, first_use, fused
 from .attention.kernel import count_array
 from .kernel_plan import DECODE, make_plan
 
-log = logging.getLogger("rvqstore.kernels")
 
 _lock = threading.Lock()
 _kernel_fn: list = []
@@ -102,23 +100,15 @@ def fetch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype) -> tup
     config = s.configs.get(dtype)
     if config is None:
         config = s.configs[dtype] = s.base + (str(dtype),)
-    if config in _disabled:
-        return None
-    try:
-        out = launch(codec, key_buffers, value_buffers, n, dtype)
-        if config not in _verified:  # first use: must equal the MLX-ops decode bit for bit
-            k, v = cache_steps.decode_fn(codec, dtype)(*key_buffers, *value_buffers)
-            same = [mx.array_equal(a, b[:, :, :n], equal_nan=True) for a, b in zip(out, (k, v))]
-            if not all(bool(x.item()) for x in same):
-                raise RuntimeError("first-use check failed: differs from the codec's decode")
-            with _lock:
-                _verified.add(config)
-        return out
-    except Exception as err:
-        with _lock:
-            _disabled[config] = f"{type(err).__name__}: {err}"
-        log.warning("fused unpack kernel switched off for %s; decoding with MLX ops: %s", config, err)
-        return None
+
+    def same_as_decode(out):  # bit for bit the MLX-ops decode
+        k, v = cache_steps.decode_fn(codec, dtype)(*key_buffers, *value_buffers)
+        same = [mx.array_equal(a, b[:, :, :n], equal_nan=True) for a, b in zip(out, (k, v))]
+        return None if all(bool(x.item()) for x in same) else "differs from the codec's decode"
+
+    return first_use.serve(config, lambda: launch(codec, key_buffers, value_buffers, n, dtype), same_as_decode,
+                           verified=_verified, disabled=_disabled, lock=_lock,
+                           what="fused unpack kernel (MLX-ops decode instead)")
 
 
 def disabled() -> dict:
