@@ -199,3 +199,92 @@ def _residual64(kind: str, bits1: int, bits2: int) -> tuple[np.ndarray, np.ndarr
 def residual_tables(kind: str, bits1: int, bits2: int) -> ResidualTables:
     c, b = _residual64(kind, bits1, bits2)
     return ResidualTables(kind, c.astype(np.float32), b.astype(np.float32))
+
+
+# ---- uniform grids (entropy-constrained scalar quantization) --------------------------------------
+def _grid_error(msg: str) -> Exception:
+    from .errors import CodecConfigError  # local: the tables above need no error classes
+
+    return CodecConfigError(msg)
+
+
+def uniform_grid(bits1: int, bits2: int, step: float) -> dict[str, np.ndarray]:
+    """A uniform grid of ``L = 2^(bits1 + bits2)`` points as two-stage conditional tables.
+
+    Points ``v_k = (k - (L - 1) / 2) * step`` (float64, rounded once to float32); the thresholds are
+    the float32 midpoints of consecutive points. Stage 2 row ``i`` holds the ``2^bits2`` points of
+    coarse cell ``i`` and the thresholds between them; stage-1 boundaries are the thresholds at the
+    cell edges (every ``2^bits2``-th), stage-1 centroids the mean of each cell's points, so stage 1
+    alone is still a valid code. A grid's squared error is about ``step^2 / 12`` wherever the
+    values sit (an offset costs nothing but range), and its indices are worth entropy coding: unlike
+    Lloyd–Max cells, grid cells are far from equiprobable.
+
+    Returns ``dict(c1=, b1=)`` plus ``c2=, b2=`` when ``bits2 > 0`` (float32 numpy arrays, the shapes
+    of :class:`ResidualTables`). CodecConfigError for a step that is not a finite positive number, or
+    one so small or large that the float32 points and thresholds are not strictly increasing.
+    """
+    import numbers
+
+    for b, lo in ((bits1, 1), (bits2, 0)):
+        if not isinstance(b, int) or isinstance(b, bool) or not lo <= b <= 4:
+            raise _grid_error(f"uniform grid bits must be stage 1 in 1..4 and stage 2 in 0..4, got {(bits1, bits2)!r}")
+    if not isinstance(step, numbers.Real) or isinstance(step, bool):
+        raise _grid_error(f"step must be a real number, got {step!r}")
+    step = float(step)
+    if not math.isfinite(step) or step <= 0.0:
+        raise _grid_error(f"step must be finite and > 0, got {step!r}")
+    levels = 1 << (bits1 + bits2)
+    k = np.arange(levels, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        v = ((k - (levels - 1) / 2.0) * step).astype(np.float32)
+        t = ((v[:-1].astype(np.float64) + v[1:].astype(np.float64)) / 2.0).astype(np.float32)
+    # strictly increasing points with every threshold strictly between its two points (and all finite)
+    if not (np.all(np.isfinite(v)) and np.all(v[:-1] < t) and np.all(t < v[1:])):
+        raise _grid_error(f"step {step!r} is too {'small' if step < 1.0 else 'large'} for a {levels}-point "
+                          f"float32 grid (points and thresholds must be finite and strictly increasing)")
+    l2 = 1 << bits2
+    if bits2 == 0:
+        return {"c1": v, "b1": t}
+    cells = v.reshape(-1, l2)
+    out = {"c1": cells.astype(np.float64).mean(axis=1).astype(np.float32),
+           "b1": np.ascontiguousarray(t[l2 - 1::l2]),
+           "c2": np.ascontiguousarray(cells),
+           "b2": np.ascontiguousarray(np.append(t, np.float32(0)).reshape(-1, l2)[:, :-1])}
+    if not np.all(np.diff(out["c1"]) > 0):  # the means of neighbouring cells (cannot fail once v is valid)
+        raise _grid_error(f"step {step!r}: stage-1 centroids of the grid are not strictly increasing")
+    return out
+
+
+def grid_step(c1: np.ndarray, b1: np.ndarray, c2: np.ndarray | None, b2: np.ndarray | None) -> float | None:
+    """The step of :func:`uniform_grid` that gives exactly these float32 tables, or None when they are
+    no uniform grid (Lloyd–Max, or anything else a file holds). Informational: decoding uses the tables."""
+    points = np.asarray(c1 if c2 is None else c2, np.float32).reshape(-1)
+    levels = points.size
+    bits1 = int(np.asarray(c1).size).bit_length() - 1
+    bits2 = int(levels // np.asarray(c1).size).bit_length() - 1
+    m = np.arange(levels, dtype=np.float64) - (levels - 1) / 2.0
+    if levels < 2 or not np.all(np.isfinite(points)):
+        return None
+    # each point pins the step to an interval (its float32 rounding interval / multiplier): intersect them
+    nz = m != 0
+    p = points.astype(np.float64)[nz]
+    half_ulp = np.spacing(np.abs(points[nz])).astype(np.float64) / 2.0
+    lo = np.max((p - np.sign(m[nz]) * half_ulp) / m[nz])
+    hi = np.min((p + np.sign(m[nz]) * half_ulp) / m[nz])
+    if not (lo <= hi and hi > 0):
+        return None
+    mid = 0.5 * (lo + hi)
+    # short decimal forms first, so a grid made with step=0.3 reports 0.3
+    for step in [float(f"{mid:.{d}g}") for d in range(6, 10)] + [mid, lo, hi]:
+        if not lo <= step <= hi:
+            continue
+        try:
+            g = uniform_grid(bits1, bits2, float(step))
+        except Exception:  # CodecConfigError: not a grid this rule makes
+            continue
+        same = (np.array_equal(g["c1"], np.asarray(c1, np.float32)) and np.array_equal(g["b1"], np.asarray(b1, np.float32))
+                and (c2 is None or (np.array_equal(g["c2"], np.asarray(c2, np.float32))
+                                    and np.array_equal(g["b2"], np.asarray(b2, np.float32)))))
+        if same:
+            return float(step)
+    return None
