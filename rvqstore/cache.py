@@ -244,20 +244,26 @@ class RVQKVCache:
         use_kernels: use the fused GPU kernels where available.
         value_bits: bits of the values when they differ from the keys' (``bits``); keys are the
             more sensitive side (docs/quality.md), so presets give them more.
+        step, value_step: None (Lloyd–Max tables) or the spacing of a uniform grid of
+            ``2^(bits1 + bits2)`` points for keys / values (:class:`rvqstore.RVQCodec`'s ``step``);
+            ``value_step=None`` takes the keys' ``step``. Memory is the fixed width of ``bits``; a
+            file saved with ``compress="best"`` stores grid codes near their entropy.
     """
 
     def __init__(self, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0, residual: str = "conditional", *,
                  mode: str = "packed", dense_window: int = 0, flush_block: int = 64, use_kernels: bool = True,
-                 value_bits: tuple[int, int] | int | None = None):
+                 value_bits: tuple[int, int] | int | None = None, step: float | None = None,
+                 value_step: float | None = None):
         mode_impl = cache_modes.for_cache(mode)  # refuses an unknown mode
         for name, v, lo in (("dense_window", dense_window, 0), ("flush_block", flush_block, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise CodecConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
-        RVQCodec(64, bits, seed, residual)  # validate the codec settings now, not at first use
-        if value_bits is not None:
-            RVQCodec(64, value_bits, seed, residual)
+        value_step = step if value_step is None else value_step
+        key_check = RVQCodec(64, bits, seed, residual, step=step)  # validate the codec settings now, not at first use
+        value_check = RVQCodec(64, bits if value_bits is None else value_bits, seed, residual, step=value_step)
         self.codec_bits = _parse_bits(bits)
         self.value_bits = self.codec_bits if value_bits is None else _parse_bits(value_bits)
+        self.step, self.value_step = key_check.step, value_check.step
         self.seed = seed
         self.residual = residual
         self._mode = mode_impl
@@ -289,8 +295,9 @@ class RVQKVCache:
     def n_dense(self) -> int:
         return self.offset - self.n_coded
 
-    def _codec(self, dim: int, bits: tuple[int, int] | None = None) -> RVQCodec:
-        return RVQCodec(dim, bits or self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels)
+    def _codec(self, dim: int, bits: tuple[int, int] | None = None, step: float | None = None) -> RVQCodec:
+        return RVQCodec(dim, bits or self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels,
+                        step=step if bits else self.step)
 
     def _init_geometry(self, keys: mx.array, values: mx.array) -> None:
         """Check ``keys``/``values`` completely, then (first call only) fix geometry and dtype. Every
@@ -298,7 +305,7 @@ class RVQKVCache:
         geo = check_update(keys, values, self.geometry)
         if self.geometry is not None:
             return
-        key_codec, value_codec = self._codec(geo[2]), self._codec(geo[3], self.value_bits)  # raises on a bad head dim
+        key_codec, value_codec = self._codec(geo[2]), self._codec(geo[3], self.value_bits, self.value_step)  # raises on a bad head dim
         self.geometry = geo
         self.dtype = keys.dtype
         self._keys, self._values = _Stream(key_codec, geo[:2]), _Stream(value_codec, geo[:2])
@@ -337,8 +344,13 @@ class RVQKVCache:
         return kv
 
     def _joint(self) -> bool:
-        """Keys and values share a head dim and bits: encode/decode them in one codec call (half the dispatches)."""
-        return self.geometry[2] == self.geometry[3] and self.value_bits == self.codec_bits
+        """Keys and values share a head dim and code alike: encode/decode them in one codec call (half the
+        dispatches). Equal bits are not enough: grids of other steps, or a file's tables, differ."""
+        kc, vc = self._keys.codec, self._values.codec
+        memo = self.__dict__.get("_same_codes")
+        if memo is None or memo[0] is not kc or memo[1] is not vc:  # compared once per pair of codecs
+            memo = self._same_codes = (kc, vc, kc.same_code(vc))
+        return self.geometry[2] == self.geometry[3] and memo[2]
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         if not self._joint():
@@ -536,8 +548,9 @@ class RVQKVCache:
         c.geometry = (b, h, head_dims[0], head_dims[1])
         c.dtype = dtype
         c._keys = _Stream(key_codec or c._codec(head_dims[0]), (b, h))
-        c._values = _Stream(value_codec or c._codec(head_dims[1], c.value_bits), (b, h))
+        c._values = _Stream(value_codec or c._codec(head_dims[1], c.value_bits, c.value_step), (b, h))
         c.codec_bits, c.value_bits = c._keys.codec.bits, c._values.codec.bits
+        c.step, c.value_step = c._keys.codec.step, c._values.codec.step  # the codecs' tables rule
         for stream, packed, d in ((c._keys, keys, head_dims[0]), (c._values, values, head_dims[1])):
             stream.check_packed(packed, (b, h, n), d, dtype, head_dims)
         c._keys.set_packed(*keys)
@@ -568,5 +581,8 @@ class RVQKVCache:
         return c
 
     def __repr__(self) -> str:
-        return (f"RVQKVCache(bits={self.codec_bits}, mode={self.mode!r}, offset={self.offset}, "
+        steps = "" if self.step is None and self.value_step is None else (
+            f"step={self.step}, " + (f"value_step={self.value_step}, " if self.value_step != self.step else ""))
+        values = f"value_bits={self.value_bits}, " if self.value_bits != self.codec_bits else ""
+        return (f"RVQKVCache(bits={self.codec_bits}, {values}{steps}mode={self.mode!r}, offset={self.offset}, "
                 f"coded={self.n_coded}, dense={self.n_dense}, nbytes={self.nbytes})")

@@ -19,7 +19,7 @@ from .errors import CodecConfigError
 from .rotating_cache import RVQRotatingKVCache
 
 # settings a rotating layer takes from make_prompt_cache's keyword arguments (no dense window there)
-_ROTATING_KWARGS = ("mode", "use_kernels")
+_ROTATING_KWARGS = ("mode", "use_kernels", "step", "value_step")
 
 
 def _lm():

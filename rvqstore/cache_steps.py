@@ -28,7 +28,8 @@ _fns: dict = {}
 
 def _key(codec: RVQCodec, *extra) -> tuple:
     return (codec.dim, codec.bits, codec.seed, codec.residual, codec.centroids1.tobytes(),
-            codec.centroids2.tobytes(), codec.signs.tobytes()) + extra
+            codec.centroids2.tobytes(), codec.boundaries1.tobytes(), codec.boundaries2.tobytes(),  # encode reads them
+            codec.signs.tobytes()) + extra
 
 
 def append_fn(codec: RVQCodec, resident: bool = False):

@@ -200,6 +200,16 @@ class RVQCodec:
             a = max(a, float(np.max(np.abs(self.centroids2))))
         return a
 
+    def same_code(self, other: "RVQCodec") -> bool:
+        """Whether ``other`` codes and decodes exactly as this codec does (geometry, tables, signs):
+        settings alone do not say it, since tables come from files and grids."""
+        if (self.dim, self.bits, self.residual) != (other.dim, other.bits, other.residual):
+            return False
+        pairs = [(self.signs, other.signs), (self.centroids1, other.centroids1), (self.boundaries1, other.boundaries1)]
+        if self.bits2:
+            pairs += [(self.centroids2, other.centroids2), (self.boundaries2, other.boundaries2)]
+        return all(np.array_equal(a, b) for a, b in pairs)
+
     def max_scale(self, dtype: mx.Dtype) -> float:
         """The largest valid scale for vectors decoded to ``dtype`` (see the module docstring)."""
         if dtype not in _FLOAT_DTYPES:

@@ -39,17 +39,24 @@ class RVQRotatingKVCache:
             copy of the window is kept alongside the codes, so each token is decoded once; both are
             classes of :mod:`rvqstore.cache_modes`).
         use_kernels: use the fused GPU kernels where available.
+        step: None (Lloyd–Max tables) or the spacing of a uniform grid (:class:`rvqstore.RVQCodec`'s
+            ``step``). One codec codes keys and values here: a ``value_step`` other than ``step`` is
+            refused (CodecConfigError) rather than dropped.
     """
 
     def __init__(self, max_size: int, keep: int = 0, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0,
-                 residual: str = "conditional", *, mode: str = "packed", use_kernels: bool = True):
+                 residual: str = "conditional", *, mode: str = "packed", use_kernels: bool = True,
+                 step: float | None = None, value_step: float | None = None):
         for name, v, lo in (("max_size", max_size, 1), ("keep", keep, 0)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise CodecConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
         if keep >= max_size:
             raise CodecConfigError(f"keep ({keep}) must be smaller than max_size ({max_size})")
         mode_impl = cache_modes.for_window(mode)  # refuses an unknown mode
-        RVQCodec(64, bits, seed, residual)  # validate the codec settings now, not at first use
+        if value_step is not None and value_step != step:
+            raise CodecConfigError(f"a sliding-window cache codes keys and values with one codec: value_step "
+                                   f"{value_step!r} differs from step {step!r}")
+        self.step = RVQCodec(64, bits, seed, residual, step=step).step  # validate the codec settings now
         self.max_size = max_size
         self.keep = keep
         self.codec_bits = _parse_bits(bits)
@@ -74,8 +81,16 @@ class RVQRotatingKVCache:
         """Tokens held in the window (sinks included)."""
         return 0 if self._keys is None else self._keys.n
 
+    def _one_code(self) -> bool:
+        """Keys and values code alike (a file may give them different tables): compared once per pair."""
+        kc, vc = self._keys.codec, self._values.codec
+        memo = self.__dict__.get("_same_codes")
+        if memo is None or memo[0] is not kc or memo[1] is not vc:
+            memo = self._same_codes = (kc, vc, kc.same_code(vc))
+        return memo[2]
+
     def _codec(self, dim: int) -> RVQCodec:
-        return RVQCodec(dim, self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels)
+        return RVQCodec(dim, self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels, step=self.step)
 
     def _init_geometry(self, keys: mx.array, values: mx.array) -> None:
         geo = check_update(keys, values, self.geometry)  # every check before any state changes
@@ -99,7 +114,7 @@ class RVQRotatingKVCache:
         self._mode.cut(keep, tail)  # resident: the decoded window with the codes
 
     def _encode(self, keys: mx.array, values: mx.array) -> None:
-        if self.geometry[2] == self.geometry[3]:  # one codec call for both sides
+        if self.geometry[2] == self.geometry[3] and self._one_code():  # one codec call for both sides
             b = keys.shape[0]
             enc = self._keys.codec.encode(mx.concatenate([keys, values.astype(keys.dtype)], axis=0),
                                           check_finite=False)
@@ -227,6 +242,7 @@ class RVQRotatingKVCache:
         c.geometry, c.dtype = (b, h, head_dims[0], head_dims[1]), dtype
         c._keys = _Stream(key_codec or c._codec(head_dims[0]), (b, h))
         c._values = _Stream(value_codec or c._codec(head_dims[1]), (b, h))
+        c.step = c._keys.codec.step  # the codecs' tables rule (a file's)
         for stream, packed, d in ((c._keys, keys, head_dims[0]), (c._values, values, head_dims[1])):
             stream.check_packed(packed, (b, h, n), d, dtype, head_dims)
         c._keys.set_packed(*keys)
@@ -253,5 +269,6 @@ class RVQRotatingKVCache:
         return c
 
     def __repr__(self) -> str:
-        return (f"RVQRotatingKVCache(max_size={self.max_size}, keep={self.keep}, bits={self.codec_bits}, "
+        grid = "" if self.step is None else f"step={self.step}, "
+        return (f"RVQRotatingKVCache(max_size={self.max_size}, keep={self.keep}, bits={self.codec_bits}, {grid}"
                 f"mode={self.mode!r}, offset={self.offset}, held={self.n_held}, nbytes={self.nbytes})")

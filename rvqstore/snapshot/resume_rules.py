@@ -54,10 +54,11 @@ def empty_like(c: Any) -> Any:
     lm = _lm()
     if isinstance(c, RVQKVCache):
         return RVQKVCache(c.codec_bits, c.seed, c.residual, mode=c.mode, dense_window=c.dense_window,
-                          flush_block=c.flush_block, use_kernels=c.use_kernels, value_bits=c.value_bits)
+                          flush_block=c.flush_block, use_kernels=c.use_kernels, value_bits=c.value_bits,
+                          step=c.step, value_step=c.value_step)
     if isinstance(c, RVQRotatingKVCache):
         return RVQRotatingKVCache(c.max_size, c.keep, c.codec_bits, c.seed, c.residual, mode=c.mode,
-                                  use_kernels=c.use_kernels)
+                                  use_kernels=c.use_kernels, step=c.step)
     if isinstance(c, lm.ArraysCache):
         return lm.ArraysCache(len(c.cache))
     if isinstance(c, lm.CacheList):

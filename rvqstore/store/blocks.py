@@ -131,6 +131,9 @@ def _rvq_range(c: RVQKVCache, i: int, start: int, end: int, settings: tuple) -> 
     if getattr(c, "value_bits", c.codec_bits) != c.codec_bits:
         raise StoreConfigError(f"layer {i} codes values with bits {c.value_bits}, keys with {c.codec_bits}: the "
                                f"store holds one codec setting for both (per-side bits are not supported yet)")
+    if getattr(c, "step", None) is not None or getattr(c, "value_step", None) is not None:
+        raise StoreConfigError(f"layer {i} codes with a uniform grid (step {c.step}): the store's blocks hold "
+                               f"Lloyd–Max codes only (grids are not supported there yet)")
     if mine != want:
         raise StoreConfigError(f"layer {i} is coded with bits/seed/residual {mine}, the store with {want}: "
                                f"re-encoding would add a second quantization error")
