@@ -67,6 +67,55 @@ def test_split_plan_covers_every_token_once():
             assert chunk % kernel.THREADS == 0 and (splits - 1) * chunk < n <= splits * chunk
 
 
+@pytest.mark.parametrize("dk", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [(1, 1), (2, 2), (4, 2), (2, 4), (4, 4), (4, 0)])
+def test_key_lanes_split_each_token_into_whole_word_steps(dk, rows, bits):
+    """Each lane's coordinates are a multiple of 4 and of the word step; a step never straddles a word of
+    either stage; forcing 1 gives the one-thread-per-token phase; an unfit forced count is not taken."""
+    per_word = min(32 // bits[0], 32 // bits[1] if bits[1] else 32)
+    for forced in (None, 1, 2, 8, 32):
+        lanes, step = kernel.key_lanes(dk, rows, *bits, forced)
+        cpl = dk // lanes
+        assert 32 % lanes == 0 and dk % lanes == 0 and cpl % 4 == 0
+        assert cpl % step == 0 and per_word % step == 0 and step >= 4
+        if forced == 1:
+            assert lanes == 1
+        elif forced is not None and dk % (4 * forced) == 0:
+            assert lanes == forced
+    lanes, _ = kernel.key_lanes(dk, rows, *bits)
+    # the register budget is kept wherever some lane count allows it
+    if any(dk % (4 * kl) == 0 and rows * dk // kl <= kernel.KEY_REGISTERS for kl in (2, 4, 8, 16, 32)):
+        assert rows * dk // lanes <= kernel.KEY_REGISTERS
+    assert kernel.uses_pairs(*bits, lanes) == (sum(bits) <= kernel.PAIR_MAX_BITS and lanes > 1)
+    assert not kernel.uses_pairs(*bits, 1)
+
+
+def test_staged_code_words_stay_within_the_shared_memory_budget():
+    """The 8B geometry stages its words at 2+2 (GQA 4 and 8) and 4+2 (GQA 4); shapes whose staging would
+    pass the budget do not stage; switching staging off is obeyed."""
+    assert kernel.stages_codes(2, 2, 128, 128, 4, 16, 8) and kernel.stages_codes(2, 2, 128, 128, 8, 16, 16)
+    assert kernel.stages_codes(4, 2, 128, 128, 4, 64, 8)
+    assert not kernel.stages_codes(4, 4, 256, 256, 8, 256, 32)
+    for bits in ((1, 1), (2, 2), (4, 2), (4, 4)):
+        for d in (64, 128, 256):
+            for rows in (1, 4, 8):
+                kl = kernel.key_lanes(d, rows, *bits)[0]
+                if kernel.stages_codes(*bits, d, d, rows, 256, kl):
+                    assert kernel.shared_bytes(*bits, d, d, rows, 256, kl, True) <= kernel.SHARED_BYTES
+                # staging adds the words of one tile: 128 tokens x the words of a key and a value row
+                words = 2 * (-(-d // (32 // bits[0])) + -(-d // (32 // bits[1])))
+                extra = kernel.shared_bytes(*bits, d, d, rows, 256, kl, True) - kernel.shared_bytes(
+                    *bits, d, d, rows, 256, kl, False)
+                assert extra == 4 * (kernel.THREADS * words - 2) if kl > 1 else extra < 4 * kernel.THREADS * words
+    old = kernel.STAGE_CODES
+    try:
+        kernel.STAGE_CODES = False
+        assert not kernel.stages_codes(2, 2, 128, 128, 4, 16, 8)
+    finally:
+        kernel.STAGE_CODES = old
+
+
 def test_failing_kernel_falls_back_and_latches_off(monkeypatch, caplog):
     with mx.stream(mx.cpu):
         c, K, V = _cache((2, 2), 1, 40, 64)
@@ -153,6 +202,38 @@ def test_gpu_kernel_parity(case):
     bound = 4 * 2.0 ** -11 * float(mx.abs(V16.astype(mx.float32)).max())
     _record("attend-fp16-vs-sdpa", err <= bound, f"{case} max_abs_err={err:.2e} bound={bound:.2e}")
     assert err <= bound and not kernel.disabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,d,hkv,g", [((2, 2), 128, 8, 4), ((4, 2), 128, 2, 8), ((2, 2), 64, 4, 2)])
+def test_gpu_kernel_variants_equal_the_model(monkeypatch, bits, d, hkv, g):
+    """Every kernel layout (1 to 32 lanes per token in the key phase, pair tables and staged code words on
+    and off) gives the model's partials."""
+    dialect = fused.gpu_backend()
+    c, _, _ = _cache(bits, hkv, 1500, d, seed=7)
+    view = c.codes_view()
+    q_rot = ops.rotate_queries(view, _queries(1, hkv * g, 1, d, seed=3), d ** -0.5).reshape(1, hkv, g, d)
+    with mx.stream(mx.cpu):
+        ro, rml = kernel.partials_reference(view, q_rot, 1, False)
+        mx.eval(ro, rml)
+    scale_o = float(mx.abs(ro).max())
+    for lanes, pairs, stage in ((1, False, False), (1, False, True), (2, True, True), (8, True, True),
+                                (8, False, False), (32, True, False)):
+        monkeypatch.setattr(kernel, "KEY_LANES", lanes)
+        monkeypatch.setattr(kernel, "PAIR_TABLES", pairs)
+        monkeypatch.setattr(kernel, "STAGE_CODES", stage)
+        o, ml = kernel.launch(view, q_rot, 1, False, dialect)
+        err_o = float(mx.abs(o - ro).max()) / scale_o
+        err_l = float(mx.abs(ml[..., 1] - rml[..., 1]).max() / mx.abs(rml[..., 1]).max())
+        m, rm = np.array(ml[..., 0]), np.array(rml[..., 0])
+        fin = np.isfinite(rm)  # splits past the coded tokens are empty (-inf) in both
+        err_m = float(np.abs(m[fin] - rm[fin]).max())
+        ok = err_o < 1e-5 and err_l < 1e-5 and err_m < 1e-4 and np.array_equal(np.isinf(m), np.isinf(rm))
+        kl = kernel.key_lanes(d, g, *bits, lanes)[0]
+        staged = kernel.stages_codes(*bits, d, d, g, kernel.decode_table(view.key_codec)[1], kl)
+        _record("kernel-variant", ok, f"{bits} d={d} rows={g} lanes={kl} pairs={kernel.uses_pairs(*bits, kl)} "
+                f"staged={staged} rel_err o={err_o:.2e} l={err_l:.2e} abs_err m={err_m:.2e}")
+        assert ok, (lanes, pairs, stage, err_o, err_l, err_m)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,11 @@ sample times ``k`` calls issued back to back (one sync), divided by ``k``; media
 
     python tools/bench_attention.py [--contexts 1024,8192,32768,131072] [--json out.json]
     python tools/bench_attention.py --contexts 32768,131072 --bits 2+2 --target-groups 528,1056,2112,4224
+    python tools/bench_attention.py --contexts 32768,131072 --variants first,nopair   # same-run kernel variants
+
+Variants (``--variants``, timed as extra arms of the first bits): ``first`` = the first kernel's key phase
+(one thread per token, ``kernel.KEY_LANES = 1``, no pair tables, code words read straight from memory);
+``nopair`` = no pair tables; ``nostage`` = code words not staged in shared memory; ``klN`` = N lanes per token.
 """
 
 from __future__ import annotations
@@ -28,6 +33,23 @@ from rvqstore import RVQKVCache, fused  # noqa: E402
 from rvqstore.attention import kernel  # noqa: E402
 
 
+VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False}, "nopair": {"PAIR_TABLES": False},
+            "nostage": {"STAGE_CODES": False}}
+
+
+def _with_variant(name: str, call):
+    """``call()`` with the kernel's module settings of variant ``name`` (restored after)."""
+    settings = VARIANTS.get(name) or {"KEY_LANES": int(name[2:])}
+    saved = {k: getattr(kernel, k) for k in settings}
+    for k, v in settings.items():
+        setattr(kernel, k, v)
+    try:
+        return call()
+    finally:
+        for k, v in saved.items():
+            setattr(kernel, k, v)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="1024,8192,32768,131072")
@@ -40,6 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", action="store_true", help="also time the split and merge kernels alone")
     ap.add_argument("--target-groups", default="", help="comma list: also time the first bits' codes arm with "
                     "kernel.TARGET_GROUPS set to each (threadgroups per launch the split plan aims at)")
+    ap.add_argument("--variants", default="", help="comma list of kernel variants (see above)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     hq, hkv, d = a.heads, a.kv_heads, a.head_dim
@@ -66,6 +89,9 @@ def main(argv=None) -> int:
                     finally:
                         kernel.TARGET_GROUPS = default_groups
                 arms[f"codes-{bits}-tg{tg}"] = sweep
+            for var in (x for x in a.variants.split(",") if x and bits == a.bits.split(",")[0]):
+                arms[f"codes-{bits}-{var}"] = (lambda c, var: lambda q: _with_variant(
+                    var, lambda: c.attend_on_codes(q, scale=d ** -0.5)))(c, var)
             dialect = fused.gpu_backend()
             if a.breakdown and dialect and bits == a.bits.split(",")[0]:
                 # the two launches alone (no Python dispatch around them): where the time goes

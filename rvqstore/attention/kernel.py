@@ -37,6 +37,19 @@ MAX_ROWS = 8
 MAX_DIM = 256
 #: aim for this many threadgroups per launch (the H200 has 132 SMs)
 TARGET_GROUPS = 528
+#: threads per token in the key phase: None picks by shape (:func:`key_lanes`); 1 is the first kernel's
+#: one thread per token (kept for same-run comparisons); a power of two up to 32 forces that many
+KEY_LANES: int | None = None
+#: rotated-query floats a lane keeps in registers in the key phase (rows x its coordinates)
+KEY_REGISTERS = 64
+#: decode two coordinates per table read (``rvq_pair``: 2^(2 (bits1 + bits2)) entries in shared memory)
+#: where bits1 + bits2 <= PAIR_MAX_BITS and the key phase has several lanes per token; False: never
+PAIR_TABLES = True
+PAIR_MAX_BITS = 4
+#: copy each tile's code words to shared memory first (all of a thread's loads in flight at once) where
+#: the kernel's shared memory then stays within SHARED_BYTES; False: never
+STAGE_CODES = True
+SHARED_BYTES = 44 * 1024
 
 _lock = threading.Lock()
 _kernels: dict = {}
@@ -127,6 +140,54 @@ def _pow2(d: int) -> bool:
     return d & (d - 1) == 0
 
 
+def key_lanes(dk: int, rows: int, bits1: int, bits2: int, forced: int | None = None) -> tuple[int, int]:
+    """``(lanes, step)`` of the key phase: threads per token and coordinates per word step.
+
+    Each of ``lanes`` threads owns ``dk / lanes`` consecutive coordinates (a multiple of 4) and keeps
+    their ``rows`` rotated queries in registers, at most :data:`KEY_REGISTERS` floats where the shape
+    allows; fewer lanes mean fewer shuffles per token. ``step``: the largest power of two dividing the
+    lane's coordinates and the coordinates per code word of both stages (a step never straddles a word).
+    ``forced`` (1 or a power of two up to 32) is taken where it fits ``dk``; 1 is one thread per token.
+    """
+    per_word = min(32 // bits1, 32 // bits2 if bits2 else 32)
+    fits = [kl for kl in (2, 4, 8, 16, 32) if dk % (4 * kl) == 0]
+    if forced == 1 or not fits:
+        return 1, 4
+    if forced in fits:
+        kl = forced
+    else:
+        kl = next((kl for kl in fits if rows * (dk // kl) <= KEY_REGISTERS), fits[-1])
+    cpl = dk // kl
+    step = 4
+    while step * 2 <= per_word and cpl % (step * 2) == 0:
+        step *= 2
+    return kl, step
+
+
+def uses_pairs(bits1: int, bits2: int, lanes: int) -> bool:
+    """Whether the kernel decodes two coordinates per table read (a table of 256 pairs at 2+2)."""
+    return bool(PAIR_TABLES) and lanes > 1 and bits1 + bits2 <= PAIR_MAX_BITS
+
+
+def shared_bytes(bits1: int, bits2: int, dk: int, dv: int, rows: int, tabn: int, lanes: int,
+                 stage: bool) -> int:
+    """The split kernel's shared memory (its RVQ_SHARED arrays) for one configuration."""
+    words = lambda d, b: -(-d // (32 // b)) if b else 0  # noqa: E731 (code words per row)
+    nwarp, tlanes = THREADS // 32, THREADS // (dv // 4)
+    floats = tabn + rows * dk + THREADS * rows + rows * nwarp + tlanes * rows * dv
+    pairs = (1 << (2 * (bits1 + bits2))) if uses_pairs(bits1, bits2, lanes) else 1
+    staged = 2
+    if stage:
+        staged = THREADS * (words(dv, bits1) + words(dv, bits2))
+        staged += THREADS * (words(dk, bits1) + words(dk, bits2)) if lanes > 1 else 1
+    return 4 * floats + 8 * pairs + 4 * staged
+
+
+def stages_codes(bits1: int, bits2: int, dk: int, dv: int, rows: int, tabn: int, lanes: int) -> bool:
+    """Whether the kernel copies each tile's code words to shared memory first (T_STAGE)."""
+    return bool(STAGE_CODES) and shared_bytes(bits1, bits2, dk, dv, rows, tabn, lanes, True) <= SHARED_BYTES
+
+
 def _folded_signs(codec, factor: float) -> mx.array:
     """``signs * factor`` as float32 (cached per codec and factor: the softmax scale is fixed per layer)."""
     per = _signs_cache.setdefault(codec, {})
@@ -156,7 +217,8 @@ def _launch_plan(view: CodesView, cap: int, bh: int, rows: int, dk: int, n_queri
     per = _launches.get(kc)
     if per is None:
         per = _launches[kc] = {}
-    key = (id(vc), cap, bh, rows, dk, n_queries, view.n_dense, causal, scale, dtype)
+    key = (id(vc), cap, bh, rows, dk, n_queries, view.n_dense, causal, scale, dtype, KEY_LANES, PAIR_TABLES,
+           STAGE_CODES)
     p = per.get(key)
     if p is not None:
         return p
@@ -170,8 +232,11 @@ def _launch_plan(view: CodesView, cap: int, bh: int, rows: int, dk: int, n_queri
     p.params = _static((cap, chunk, splits, n_queries, view.n_dense, int(causal)))
     p.qsg = _folded_signs(kc, scale / dk) if rot else tab
     p.tab, p.two = tab, two
+    kl, kch = key_lanes(dk, rows, kc.bits1, kc.bits2, KEY_LANES)
     p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_MODE", mode), ("T_DK", dk), ("T_DV", vc.dim),
-                  ("T_R", rows), ("T_TG", THREADS), ("T_TABN", tabn), ("T_ROT", int(rot)), ("InT", dtype)]
+                  ("T_R", rows), ("T_TG", THREADS), ("T_TABN", tabn), ("T_ROT", int(rot)), ("InT", dtype),
+                  ("T_KL", kl), ("T_KCH", kch), ("T_PAIR", int(uses_pairs(kc.bits1, kc.bits2, kl))),
+                  ("T_STAGE", int(stages_codes(kc.bits1, kc.bits2, dk, vc.dim, rows, tabn, kl)))]
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, vc.dim), (bh, splits, rows, 2)]
     if len(per) > 64:
@@ -293,7 +358,7 @@ def _decide(view: CodesView, rows: int, dtype, windowed: bool, with_sinks: bool,
     per = _decisions.get(view.key_codec)
     if per is None:
         per = _decisions[view.key_codec] = {}
-    key = (id(view.value_codec), rows, dtype, windowed, with_sinks, dialect)
+    key = (id(view.value_codec), rows, dtype, windowed, with_sinks, dialect, KEY_LANES, PAIR_TABLES, STAGE_CODES)
     d = per.get(key, _MISSING)
     if d is _MISSING:
         d = None
@@ -302,7 +367,8 @@ def _decide(view: CodesView, rows: int, dtype, windowed: bool, with_sinks: bool,
             # fast path, two launches: raw queries rotated in the split kernel, splits merged and
             # un-rotated by the merge kernel; the window and sinks need the MLX-ops merge
             fast = _pow2(dk) and _pow2(dv) and dv >= 32 and not windowed and not with_sinks
-            d = (fast, (dialect, fast, rows, dk, dv, view.key_codec.bits, view.key_codec.residual, dtype))
+            d = (fast, (dialect, fast, rows, dk, dv, view.key_codec.bits, view.key_codec.residual, dtype,
+                        KEY_LANES, PAIR_TABLES, STAGE_CODES))
         per[key] = d
     return d
 
