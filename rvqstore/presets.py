@@ -21,20 +21,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .bit_allocation import Slot, allocate, load_profile
+from .bit_allocation import Slot, allocate, allocate_steps, grid_bits, load_profile
 from .cache import RVQKVCache
 from .codec import RVQCodec
 from .errors import CodecConfigError
 
 
+Side = tuple[tuple[int, int], "float | None"]  # (bits in memory, grid step or None for Lloyd–Max)
+
+
 @dataclass(frozen=True)
 class Preset:
-    """``budget``: bits per coordinate ON DISK the preset promises (a ``.rvq`` saved with the default
-    ``compress="auto"``, everything counted; measured on SmolLM2 at 512 cached tokens, longer files are
-    smaller per coordinate). Files are smaller than the in-memory width (zstd), so both settings spend
-    more bits in memory than the budget: ``key_bits``/``value_bits`` without a profile, and
-    ``alloc_target``, the fixed-width average the per-layer allocation is made at, found by saving
-    real files (``tools/eval_quality.py --fit``) rather than assumed."""
+    """``budget``: bits per coordinate ON DISK the preset promises (a ``.rvq`` saved with the preset's
+    :meth:`compress`, everything counted; measured on SmolLM2 at 512 cached tokens, longer files are
+    smaller per coordinate). Two forms, each measured to fit the budget (``tools/eval_quality.py``):
+
+    * without a profile, one setting per side: Lloyd–Max ``key_bits``/``value_bits``, or, when
+      ``key_step``/``value_step`` are set, uniform grids of those steps (bits from
+      :func:`rvqstore.bit_allocation.grid_bits`);
+    * with a sensitivity profile, a setting per layer and side: Lloyd–Max bits allocated at the
+      fixed-width ``alloc_target``, or, when ``step_scale`` is set, grid steps
+      ``step_scale / sqrt(sens / mean sens)`` (:func:`rvqstore.bit_allocation.allocate_steps`).
+
+    Grid codes are small only on disk: in memory they take their fixed width (more bits than the
+    budget: :meth:`memory_bits`), and their files are saved with ``compress="best"`` (rANS sections,
+    decoded in numpy when loaded: seconds for a 512-token SmolLM2 file, docs/entropy-files.md)."""
 
     name: str
     key_bits: tuple[int, int]
@@ -42,36 +53,62 @@ class Preset:
     budget: float
     alloc_target: float
     promise: str
+    key_step: float | None = None
+    value_step: float | None = None
+    step_scale: float | None = None
+
+    def sides(self) -> tuple[Side, Side]:
+        """(key, value) settings without a profile."""
+        if self.key_step is None:
+            return (self.key_bits, None), (self.value_bits, None)
+        return (grid_bits(self.key_step), self.key_step), (grid_bits(self.value_step), self.value_step)
+
+    def uses_grid(self, profile: Any = None) -> bool:
+        return (self.step_scale if profile is not None else self.key_step) is not None
+
+    def compress(self, profile: Any = None) -> str:
+        """The ``save_prompt_cache`` mode the budget is measured with: ``"best"`` for grid codes
+        (their size is in the rANS sections), else the default ``"auto"``."""
+        return "best" if self.uses_grid(profile) else "auto"
 
     def memory_bits(self, head_dim: int = 64) -> float:
-        """Bits per coordinate in memory (codes, per-vector norms, packing), keys and values averaged."""
-        return (RVQCodec(head_dim, self.key_bits).bits_per_coordinate
-                + RVQCodec(head_dim, self.value_bits).bits_per_coordinate) / 2
+        """Bits per coordinate in memory without a profile (codes, per-vector norms, packing), keys
+        and values averaged."""
+        return sum(RVQCodec(head_dim, b, step=st).bits_per_coordinate for b, st in self.sides()) / 2
 
-    def layer_bits(self, n_layers: int, profile: Any = None) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-        """(key bits, value bits) per layer: the preset's pair, or with ``profile`` (a path or a
-        ``{(layer, "k"|"v"): sensitivity}`` map covering every layer) an allocation at ``alloc_target``."""
+    def layer_settings(self, n_layers: int, profile: Any = None) -> list[tuple[Side, Side]]:
+        """(key, value) settings per layer: the preset's pair, or with ``profile`` (a path or a
+        ``{(layer, "k"|"v"): sensitivity}`` map covering every layer) an allocation."""
         if profile is None:
-            return [(self.key_bits, self.value_bits)] * n_layers
+            return [self.sides()] * n_layers
         sens: dict[Slot, float] = load_profile(profile) if not isinstance(profile, dict) else dict(profile)
         want = {(l, s) for l in range(n_layers) for s in ("k", "v")}
         if set(sens) != want:
             raise CodecConfigError(f"the profile covers {len(sens)} slots; this model has {n_layers} layers "
                                    f"({len(want)} slots): a profile of another model?")
+        if self.step_scale is not None:
+            steps = allocate_steps(sens, self.step_scale)
+            return [tuple((grid_bits(steps[(l, s)]), steps[(l, s)]) for s in ("k", "v")) for l in range(n_layers)]
         table = allocate(sens, self.alloc_target)
-        return [(table[(l, "k")], table[(l, "v")]) for l in range(n_layers)]
+        return [((table[(l, "k")], None), (table[(l, "v")], None)) for l in range(n_layers)]
+
+    def layer_bits(self, n_layers: int, profile: Any = None) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """(key bits, value bits) in memory per layer (see :meth:`layer_settings`)."""
+        return [(k[0], v[0]) for k, v in self.layer_settings(n_layers, profile)]
 
     def make_cache(self, model: Any, *, profile: Any = None, **kwargs: Any) -> list:
-        """One cache per layer of ``model`` (:func:`rvqstore.make_prompt_cache` with these bits).
+        """One cache per layer of ``model`` (:func:`rvqstore.make_prompt_cache` with these settings).
 
-        Plain attention layers get per-side (and with ``profile`` per-layer) bits; other RVQ cache
-        kinds (sliding windows) take the key bits on both sides: more bits there, never less quality."""
+        Plain attention layers get per-side (and with ``profile`` per-layer) settings; other RVQ cache
+        kinds (sliding windows) take the key setting on both sides: more bits there, never less quality."""
         from .prompt_cache import make_prompt_cache
 
-        caches = make_prompt_cache(model, self.key_bits, **kwargs)
-        bits = self.layer_bits(len(caches), profile)
-        return [RVQKVCache(kb, value_bits=vb, **kwargs) if type(c) is RVQKVCache else c
-                for c, (kb, vb) in zip(caches, bits)]
+        (kb, ks), _ = self.sides()
+        caches = make_prompt_cache(model, kb, step=ks, **kwargs)
+        settings = self.layer_settings(len(caches), profile)
+        # both sides of a setting are grids or neither (value_step=None would mean "the keys' step")
+        return [RVQKVCache(k[0], value_bits=v[0], step=k[1], value_step=v[1], **kwargs) if type(c) is RVQKVCache else c
+                for c, (k, v) in zip(caches, settings)]
 
 
 # Budgets are on disk; the settings and targets below were chosen with tools/eval_quality.py (--fit for

@@ -7,13 +7,15 @@ mean token KL (the primary figure), perplexity change with a 95% block-bootstrap
 agreement, and key/value relative error; and bits per coordinate ON DISK, measured by saving the
 cached half as a real file (``quality.disk_bits``). Figures are given per text and pooled over the
 tuning texts; a text kept aside (named ``held...``) is reported separately and never used to choose.
-``--fit 3,4.5,6`` finds the allocation's fixed-width target that lands at each on-disk budget.
+``--fit 3,4.5,6`` finds the allocation's fixed-width target that lands at each on-disk budget;
+``--fit-grid 3,4.5,6`` the steps of uniform grids (entropy-coded: ``compress="best"``) that do.
 
     python tools/eval_quality.py [--model PATH] [--text NAME=FILE ...] [--tokens 512]
         [--protocol half --protocol stream] [--methods rvq,rotated,affine,alloc]
         [--profile tools/results/quality-sensitivity-smollm2.json]
         [--runs tools/results/quality-runs] [--json tools/results/quality-smollm2.json]
         [--out docs] [--from-json FILE [--attach-disk] [--precise-json FILE]] [--fit BUDGETS]
+        [--grid-sides K:V,... --grid-scales S,...] [--fit-grid BUDGETS [--grid-key-ratio 0.38]]
 
 Runs already in ``--runs`` are reused (a long evaluation resumes). Needs matplotlib for the plot.
 """
@@ -58,7 +60,7 @@ def disk_bits(model: Any, tokenizer: Any, t: Text, ids: list[int], m: Method, n_
         return None
     key = _disk_key(model_name, t, n_tokens, m)
     have = store.get_disk(key)
-    want = list(modes) if file_form(m, len(model.layers)) == "rvq" else list(AFFINE_MODES)
+    want = [x for x in modes if x] if file_form(m, len(model.layers)) == "rvq" else list(AFFINE_MODES)
     missing = [x for x in want if x not in have]
     if missing and not stored_only:
         have.update(bits_on_disk(model, tokenizer, ids[:n_tokens // 2], m, missing))
@@ -183,6 +185,37 @@ def fit_budgets(args: argparse.Namespace, model: Any, tokenizer: Any, texts: Seq
     return 0
 
 
+def fit_grids(args: argparse.Namespace, model: Any, tokenizer: Any, texts: Sequence[Text], profile: dict | None,
+              dim: int, log: Callable[[str], None]) -> int:
+    """``--fit-grid``: per on-disk budget (files saved with compress="best"), the value step of the
+    per-side grid (keys at ``--grid-key-ratio`` of it) and, with a profile, the allocation's scale."""
+    from quality import methods as M
+    from quality.allocate import allocate_steps
+    from quality.fit import fit_grid
+
+    halves = [load_tokens(tokenizer, t, args.tokens)[:args.tokens // 2] for t in texts if not t.held_aside]
+    ratio = args.grid_key_ratio
+    out = {"tokens": args.tokens, "cached_tokens": args.tokens // 2, "texts": [t.name for t in texts if not t.held_aside],
+           "profile": args.profile, "key_ratio": ratio, "sides": [], "alloc": [], "argv": " ".join(sys.argv[1:])}
+    # first guesses from the study (tools/results/quality-ecsq-study.md): value step / scale per budget
+    guess = {3.0: (0.96, 0.42), 4.5: (0.31, 0.145), 6.0: (0.12, 0.05)}
+    for b in (float(x) for x in args.fit_grid.split(",")):
+        g = guess.get(b, (0.3, 0.3))
+        side = fit_grid(model, tokenizer, halves, lambda v: M.grid_per_side(float(f"{v * ratio:.4g}"), v, "grid per side",
+                                                                            dim=dim), b, g[0], log=log)
+        side["key_step"], side["value_step"] = float(f"{side['param'] * ratio:.4g}"), side["param"]
+        out["sides"].append(side)
+        log(f"budget {b:g}: grid K s{side['key_step']:g} / V s{side['value_step']:g} -> {max(side['disk']):.3f}")
+        if profile is not None:
+            al = fit_grid(model, tokenizer, halves, lambda c: M.grid_allocated(allocate_steps(profile, c), f"grid alloc {c:g}",
+                                                                               "grid allocated", dim=dim), b, g[1], log=log)
+            out["alloc"].append(al)
+            log(f"budget {b:g}: grid alloc {al['param']:g} -> {max(al['disk']):.3f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
+    return 0
+
+
 def _dim(model: Any) -> int:
     return model.layers[0].self_attn.k_proj.weight.shape[0] // model.args.num_key_value_heads
 
@@ -191,8 +224,11 @@ def _methods(args: argparse.Namespace, model: Any) -> list[Method]:
     """The methods of ``--methods`` (groups), narrowed by ``--only``."""
     profile = catalog.load_profile(args.profile) if args.profile else None
     targets = tuple(float(x) for x in args.alloc_targets.split(",")) if args.alloc_targets else catalog.BUDGETS
+    sides = tuple(tuple(float(v) for v in p.split(":")) for p in args.grid_sides.split(",")) if args.grid_sides else None
+    scales = tuple(float(x) for x in args.grid_scales.split(",")) if args.grid_scales else None
     methods = [m for g in args.methods.split(",")
-               for m in catalog.group(g.strip(), dim=_dim(model), profile=profile, targets=targets)]
+               for m in catalog.group(g.strip(), dim=_dim(model), profile=profile, targets=targets, grid_sides=sides,
+                                      grid_scales=scales)]
     if args.only:
         keep = {n.strip() for n in args.only.split(",")}
         methods = [m for m in methods if m.name in keep]
@@ -214,16 +250,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--protocol", action="append", choices=P.PROTOCOLS, default=None)
     ap.add_argument("--chunk", type=int, default=128, help="chunk of the stream protocol")
     ap.add_argument("--methods", default="rvq,rotated,affine", help="comma-separated groups: "
-                    "rvq, rotated, affine, fp16, variants, sides, sides+, alloc")
+                    "rvq, rotated, affine, fp16, variants, sides, sides+, alloc, alloc+, grid, grid-alloc")
     ap.add_argument("--only", default=None, help="comma-separated method names to keep from the groups")
     ap.add_argument("--profile", default=None, help="slot sensitivities for the alloc group")
     ap.add_argument("--alloc-targets", default=None,
                     help="comma-separated fixed-width averages of the alloc group (default 3,4.5,6)")
     ap.add_argument("--disk-modes", default="none,auto",
-                    help="compress modes whose on-disk bits are measured for RVQ methods (best: slow, rANS)")
+                    help="compress modes whose on-disk bits are measured for RVQ methods (best: slow, rANS; '': none)")
     ap.add_argument("--fit", default=None, metavar="BUDGETS",
                     help="comma-separated on-disk budgets: find the allocation's fixed-width target that lands "
                          "at each (tuning texts' cached halves saved with compress=auto); needs --profile")
+    ap.add_argument("--grid-sides", default=None, metavar="K:V,...",
+                    help="(key step, value step) pairs of the grid group (default: catalog.GRID_SIDES)")
+    ap.add_argument("--grid-scales", default=None, help="comma-separated scales of the grid-alloc group")
+    ap.add_argument("--fit-grid", default=None, metavar="BUDGETS",
+                    help="comma-separated on-disk budgets: fit the per-side grid's steps and (with --profile) the "
+                         "grid allocation's scale to each (files saved with compress=best)")
+    ap.add_argument("--grid-key-ratio", type=float, default=0.38,
+                    help="--fit-grid: key step / value step of the per-side grid (the study's optimum: 0.35-0.4)")
     ap.add_argument("--runs", default=None, help="folder of per-run results to reuse and extend")
     ap.add_argument("--stored-only", action="store_true",
                     help="report only methods whose runs are all in --runs (nothing is computed)")
@@ -257,9 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         model, tokenizer = load_model(args.model)
         texts = [text_from_arg(a) for a in args.text] if args.text else list(DEFAULT_TEXTS)
-        if args.fit:
+        if args.fit or args.fit_grid:
             profile = catalog.load_profile(args.profile) if args.profile else None
-            return fit_budgets(args, model, tokenizer, texts, profile, _dim(model), log)
+            fit = fit_grids if args.fit_grid else fit_budgets
+            return fit(args, model, tokenizer, texts, profile, _dim(model), log)
         methods = _methods(args, model)
         res = evaluate(model, tokenizer, texts, methods, n_tokens=args.tokens, protocols=args.protocol or ["half"],
                        chunk=args.chunk, store=RunStore(Path(args.runs) if args.runs else None),

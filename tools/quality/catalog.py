@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import methods as M
-from .allocate import allocate, load_profile  # noqa: F401 - load_profile: part of this module's surface
+from .allocate import allocate, allocate_steps, load_profile  # noqa: F401 - load_profile: part of this module's surface
 
 # The points from 3 to 6 bits, where the goals are (1+1, 4+4 and 8-bit affine were measured on two texts
 # and left out of the four-text runs for CPU time: 1.1-1.4 token KL, and 2-3e-4, respectively).
@@ -16,9 +16,17 @@ SIDES = (((2, 1), (1, 1)), ((2, 2), (1, 1)), ((4, 1), (2, 1)), ((4, 1), (2, 2)),
 BUDGETS = (3.0, 4.5, 6.0)  # default fixed-width targets of the alloc group (the on-disk ones: --fit, rvqstore.presets)
 
 
+# Uniform grids (entropy-coded, files saved with compress="best"): (key step, value step) pairs and
+# allocation scales fitted to the on-disk budgets 3 / 4.5 / 6 (tools/results/quality-fit-smollm2.json).
+GRID_SIDES: tuple[tuple[float, float], ...] = ()
+GRID_SCALES: tuple[float, ...] = ()
+
+
 def group(name: str, *, dim: int = 64, profile: dict | None = None,
-          targets: tuple[float, ...] = BUDGETS) -> list[M.Method]:
-    """``targets``: the fixed-width averages of the alloc groups (bits per coordinate in memory)."""
+          targets: tuple[float, ...] = BUDGETS, grid_sides: tuple[tuple[float, float], ...] | None = None,
+          grid_scales: tuple[float, ...] | None = None) -> list[M.Method]:
+    """``targets``: the fixed-width averages of the alloc groups (bits per coordinate in memory);
+    ``grid_sides`` / ``grid_scales``: the settings of the grid / grid-alloc groups."""
     if name == "rvq":
         return [M.uniform(M.rvq(b, dim), "RVQ") for b in RVQ_BITS]
     if name == "rotated":
@@ -49,4 +57,11 @@ def group(name: str, *, dim: int = 64, profile: dict | None = None,
             raise ValueError("--methods alloc+ needs --profile (tools/probe_sensitivity.py)")
         return [M.variant(m, sink=1, center_keys=True) for m in group("alloc", dim=dim, profile=profile,
                                                                             targets=targets)]
+    if name == "grid":  # a uniform grid per side (keys finer than values)
+        return [M.grid_per_side(k, v, "grid per side", dim=dim) for k, v in (grid_sides or GRID_SIDES)]
+    if name == "grid-alloc":  # a grid step per (layer, side) from the profile: scale / sqrt(sens / mean)
+        if profile is None:
+            raise ValueError("--methods grid-alloc needs --profile (tools/probe_sensitivity.py)")
+        return [M.grid_allocated(allocate_steps(profile, s), f"grid alloc {s:g}", "grid allocated", dim=dim)
+                for s in (grid_scales or GRID_SCALES)]
     raise ValueError(f"unknown method group {name!r}")

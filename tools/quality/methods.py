@@ -28,6 +28,7 @@ class Quantizer:
     # what a saved file holds (quality.disk_bits): RVQ stage bits, or affine (bits, group, rotated)
     rvq_bits: tuple[int, int] | None = None
     affine: tuple[int, int, bool] | None = None
+    step: float | None = None  # RVQ on a uniform grid of this step (None: Lloyd–Max)
 
 
 def float16() -> Quantizer:
@@ -41,6 +42,19 @@ def rvq(bits: tuple[int, int], dim: int = 64, seed: int = 0) -> Quantizer:
     b1, b2 = codec.bits
     return Quantizer(f"{b1}+{b2}" if b2 else f"{b1}", codec.bits_per_coordinate,
                      lambda x: codec.decode(codec.encode(x, check_finite=False)), rvq_bits=(b1, b2))
+
+
+@lru_cache(maxsize=None)
+def grid(step: float, dim: int = 64, seed: int = 0, bits: tuple[int, int] | None = None) -> Quantizer:
+    """The codec on a uniform grid of ``step`` (entropy-coded in files saved with ``compress="best"``),
+    with the fewest levels that span the rotated coordinates (:func:`rvqstore.bit_allocation.grid_bits`)
+    unless ``bits`` is given. ``bits`` of the Quantizer: the fixed width in memory."""
+    from rvqstore.bit_allocation import grid_bits
+
+    b = tuple(bits) if bits else grid_bits(step)
+    codec = RVQCodec(dim, b, seed, step=step)
+    return Quantizer(f"grid s{step:g}", codec.bits_per_coordinate,
+                     lambda x: codec.decode(codec.encode(x, check_finite=False)), rvq_bits=codec.bits, step=step)
 
 
 def rvq_error(bits: tuple[int, int], dim: int = 64) -> float:
@@ -117,6 +131,17 @@ def allocated(table: Mapping[Slot, tuple[int, int]], name: str, family: str, *, 
               sink: int = 0) -> Method:
     """RVQ bits chosen per (layer, side) slot (:mod:`quality.allocate`)."""
     return Method(name, family, lambda layer, side: rvq(tuple(table[(layer, side)]), dim), sink=sink)
+
+
+def grid_per_side(k_step: float, v_step: float, family: str, *, dim: int = 64) -> Method:
+    """One grid step for every key, one for every value."""
+    k, v = grid(k_step, dim), grid(v_step, dim)
+    return Method(f"grid K s{k_step:g} / V s{v_step:g}", family, lambda layer, side: k if side == "k" else v)
+
+
+def grid_allocated(steps: Mapping[Slot, float], name: str, family: str, *, dim: int = 64) -> Method:
+    """A grid step per (layer, side) slot (:func:`rvqstore.bit_allocation.allocate_steps`)."""
+    return Method(name, family, lambda layer, side: grid(steps[(layer, side)], dim))
 
 
 def variant(base: Method, *, sink: int = 0, center_keys: bool = False) -> Method:
