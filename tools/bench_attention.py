@@ -11,9 +11,8 @@ sample times ``k`` calls issued back to back (one sync), divided by ``k``; media
     python tools/bench_attention.py --contexts 32768,131072 --bits 2+2 --target-groups 528,1056,2112,4224
     python tools/bench_attention.py --contexts 32768,131072 --variants first,nopair   # same-run kernel variants
 
-Variants (``--variants``, timed as extra arms of the first bits): ``first`` = the first kernel's key phase
-(one thread per token, ``kernel.KEY_LANES = 1``, no pair tables, code words read straight from memory);
-``nopair`` = no pair tables; ``nostage`` = code words not staged in shared memory; ``klN`` = N lanes per token.
+Variants (``--variants``, timed as extra arms of the first bits): see tools/kernel_variants.py (``first``: the
+first kernel's layout; ``nopair``, ``nostage``, ``klN``).
 """
 
 from __future__ import annotations
@@ -32,22 +31,7 @@ import mlx.core as mx  # noqa: E402
 from rvqstore import RVQKVCache, fused  # noqa: E402
 from rvqstore.attention import kernel  # noqa: E402
 
-
-VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False}, "nopair": {"PAIR_TABLES": False},
-            "nostage": {"STAGE_CODES": False}}
-
-
-def _with_variant(name: str, call):
-    """``call()`` with the kernel's module settings of variant ``name`` (restored after)."""
-    settings = VARIANTS.get(name) or {"KEY_LANES": int(name[2:])}
-    saved = {k: getattr(kernel, k) for k in settings}
-    for k, v in settings.items():
-        setattr(kernel, k, v)
-    try:
-        return call()
-    finally:
-        for k, v in saved.items():
-            setattr(kernel, k, v)
+import kernel_variants  # noqa: E402  (tools/)
 
 
 def main(argv=None) -> int:
@@ -90,7 +74,7 @@ def main(argv=None) -> int:
                         kernel.TARGET_GROUPS = default_groups
                 arms[f"codes-{bits}-tg{tg}"] = sweep
             for var in (x for x in a.variants.split(",") if x and bits == a.bits.split(",")[0]):
-                arms[f"codes-{bits}-{var}"] = (lambda c, var: lambda q: _with_variant(
+                arms[f"codes-{bits}-{var}"] = (lambda c, var: lambda q: kernel_variants.run(
                     var, lambda: c.attend_on_codes(q, scale=d ** -0.5)))(c, var)
             dialect = fused.gpu_backend()
             if a.breakdown and dialect and bits == a.bits.split(",")[0]:

@@ -261,7 +261,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tmp", default=None)
     ap.add_argument("--json")
     ap.add_argument("--md")
+    ap.add_argument("--kernel", default="default", help="attention kernel variant (tools/kernel_variants.py)")
     a = ap.parse_args(argv)
+    if a.kernel != "default":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import kernel_variants
+        kernel_variants.apply(a.kernel)
     t0 = time.time()
     model, desc = build_model(a)
     dtype = mx.float32 if a.model == "smollm2" else getattr(mx, a.dtype)

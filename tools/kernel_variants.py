@@ -1,0 +1,43 @@
+"""Settings of the attention kernel (rvqstore/attention/kernel.py) by name, for same-run comparisons in the
+benchmarks: ``first`` = the first kernel's layout (one thread per token in the key phase, no pair tables,
+code words read straight from memory); ``nopair`` = no pair tables; ``nostage`` = code words not staged in
+shared memory; ``klN`` = N lanes per token in the key phase; ``default`` = the module's own settings."""
+
+from __future__ import annotations
+
+from rvqstore.attention import kernel
+
+VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False},
+            "nopair": {"PAIR_TABLES": False}, "nostage": {"STAGE_CODES": False}, "default": {}}
+
+
+def settings(name: str) -> dict:
+    """The kernel module attributes variant ``name`` sets."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    if name.startswith("kl") and name[2:].isdigit():
+        return {"KEY_LANES": int(name[2:])}
+    raise SystemExit(f"unknown kernel variant {name!r}: one of {sorted(VARIANTS)} or klN")
+
+
+def apply(name: str) -> dict:
+    """Set variant ``name``; returns the previous values (for :func:`restore`)."""
+    new = settings(name)
+    old = {k: getattr(kernel, k) for k in new}
+    for k, v in new.items():
+        setattr(kernel, k, v)
+    return old
+
+
+def restore(old: dict) -> None:
+    for k, v in old.items():
+        setattr(kernel, k, v)
+
+
+def run(name: str, call):
+    """``call()`` under variant ``name``, the module's settings restored after."""
+    old = apply(name)
+    try:
+        return call()
+    finally:
+        restore(old)
