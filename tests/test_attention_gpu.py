@@ -116,6 +116,14 @@ def test_staged_code_words_stay_within_the_shared_memory_budget():
         kernel.STAGE_CODES = old
 
 
+def test_value_coordinates_per_thread_keep_whole_rows(monkeypatch):
+    """8 coordinates per thread only where the value head dim is a multiple of 8 (80, 96, 128 yes; 36 no)."""
+    for dv, want in ((36, 4), (64, 8), (80, 8), (96, 8), (128, 8), (256, 8)):
+        assert kernel.value_coords(dv) == want
+    monkeypatch.setattr(kernel, "VALUE_COORDS", 4)
+    assert kernel.value_coords(128) == 4
+
+
 def test_failing_kernel_falls_back_and_latches_off(monkeypatch, caplog):
     with mx.stream(mx.cpu):
         c, K, V = _cache((2, 2), 1, 40, 64)
@@ -208,7 +216,7 @@ def test_gpu_kernel_parity(case):
 @pytest.mark.parametrize("bits,d,hkv,g", [((2, 2), 128, 8, 4), ((4, 2), 128, 2, 8), ((2, 2), 64, 4, 2)])
 def test_gpu_kernel_variants_equal_the_model(monkeypatch, bits, d, hkv, g):
     """Every kernel layout (1 to 32 lanes per token in the key phase, pair tables and staged code words on
-    and off) gives the model's partials."""
+    and off, 4 or 8 coordinates per thread in the value phase) gives the model's partials."""
     dialect = fused.gpu_backend()
     c, _, _ = _cache(bits, hkv, 1500, d, seed=7)
     view = c.codes_view()
@@ -217,8 +225,9 @@ def test_gpu_kernel_variants_equal_the_model(monkeypatch, bits, d, hkv, g):
         ro, rml = kernel.partials_reference(view, q_rot, 1, False)
         mx.eval(ro, rml)
     scale_o = float(mx.abs(ro).max())
-    for lanes, pairs, stage in ((1, False, False), (1, False, True), (2, True, True), (8, True, True),
-                                (8, False, False), (32, True, False)):
+    for lanes, pairs, stage, vpl in ((1, False, False, 4), (1, False, True, 8), (2, True, True, 4),
+                                     (8, True, True, 8), (8, True, True, 4), (8, False, False, 8), (32, True, False, 4)):
+        monkeypatch.setattr(kernel, "VALUE_COORDS", vpl)
         monkeypatch.setattr(kernel, "KEY_LANES", lanes)
         monkeypatch.setattr(kernel, "PAIR_TABLES", pairs)
         monkeypatch.setattr(kernel, "STAGE_CODES", stage)
@@ -232,8 +241,8 @@ def test_gpu_kernel_variants_equal_the_model(monkeypatch, bits, d, hkv, g):
         kl = kernel.key_lanes(d, g, *bits, lanes)[0]
         staged = kernel.stages_codes(*bits, d, d, g, kernel.decode_table(view.key_codec)[1], kl)
         _record("kernel-variant", ok, f"{bits} d={d} rows={g} lanes={kl} pairs={kernel.uses_pairs(*bits, kl)} "
-                f"staged={staged} rel_err o={err_o:.2e} l={err_l:.2e} abs_err m={err_m:.2e}")
-        assert ok, (lanes, pairs, stage, err_o, err_l, err_m)
+                f"staged={staged} value_coords={kernel.value_coords(d)} rel_err o={err_o:.2e} l={err_l:.2e} abs_err m={err_m:.2e}")
+        assert ok, (lanes, pairs, stage, vpl, err_o, err_l, err_m)
 
 
 @pytest.mark.gpu

@@ -1,14 +1,16 @@
 """Settings of the attention kernel (rvqstore/attention/kernel.py) by name, for same-run comparisons in the
 benchmarks: ``first`` = the first kernel's layout (one thread per token in the key phase, no pair tables,
 code words read straight from memory); ``nopair`` = no pair tables; ``nostage`` = code words not staged in
-shared memory; ``klN`` = N lanes per token in the key phase; ``default`` = the module's own settings."""
+shared memory; ``v4``/``v8`` = 4/8 coordinates per thread in the value phase; ``klN`` = N lanes per token in
+the key phase; ``default`` = the module's own settings."""
 
 from __future__ import annotations
 
 from rvqstore.attention import kernel
 
-VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False},
-            "nopair": {"PAIR_TABLES": False}, "nostage": {"STAGE_CODES": False}, "default": {}}
+VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False, "VALUE_COORDS": 4},
+            "nopair": {"PAIR_TABLES": False}, "nostage": {"STAGE_CODES": False}, "v4": {"VALUE_COORDS": 4},
+            "v8": {"VALUE_COORDS": 8}, "default": {}}
 
 
 def settings(name: str) -> dict:

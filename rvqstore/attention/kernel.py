@@ -46,6 +46,8 @@ KEY_REGISTERS = 64
 #: where bits1 + bits2 <= PAIR_MAX_BITS and the key phase has several lanes per token; False: never
 PAIR_TABLES = True
 PAIR_MAX_BITS = 4
+#: coordinates per thread in the value phase: 8 where the value head dim allows it (a multiple of 8), else 4
+VALUE_COORDS = 8
 #: copy each tile's code words to shared memory first (all of a thread's loads in flight at once) where
 #: the kernel's shared memory then stays within SHARED_BYTES; False: never
 STAGE_CODES = True
@@ -169,12 +171,16 @@ def uses_pairs(bits1: int, bits2: int, lanes: int) -> bool:
     return bool(PAIR_TABLES) and lanes > 1 and bits1 + bits2 <= PAIR_MAX_BITS
 
 
+def value_coords(dv: int) -> int:
+    """Coordinates per thread in the value phase (T_VPL): :data:`VALUE_COORDS` where ``dv`` allows it."""
+    return 8 if VALUE_COORDS == 8 and dv % 8 == 0 else 4
+
+
 def shared_bytes(bits1: int, bits2: int, dk: int, dv: int, rows: int, tabn: int, lanes: int,
                  stage: bool) -> int:
     """The split kernel's shared memory (its RVQ_SHARED arrays) for one configuration."""
     words = lambda d, b: -(-d // (32 // b)) if b else 0  # noqa: E731 (code words per row)
-    nwarp, tlanes = THREADS // 32, THREADS // (dv // 4)
-    floats = tabn + rows * dk + THREADS * rows + rows * nwarp + tlanes * rows * dv
+    floats = tabn + rows * dk + THREADS * rows + rows * (THREADS // 32) + rows * dv
     pairs = (1 << (2 * (bits1 + bits2))) if uses_pairs(bits1, bits2, lanes) else 1
     staged = 2
     if stage:
@@ -218,7 +224,7 @@ def _launch_plan(view: CodesView, cap: int, bh: int, rows: int, dk: int, n_queri
     if per is None:
         per = _launches[kc] = {}
     key = (id(vc), cap, bh, rows, dk, n_queries, view.n_dense, causal, scale, dtype, KEY_LANES, PAIR_TABLES,
-           STAGE_CODES)
+           STAGE_CODES, VALUE_COORDS)
     p = per.get(key)
     if p is not None:
         return p
@@ -236,7 +242,8 @@ def _launch_plan(view: CodesView, cap: int, bh: int, rows: int, dk: int, n_queri
     p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_MODE", mode), ("T_DK", dk), ("T_DV", vc.dim),
                   ("T_R", rows), ("T_TG", THREADS), ("T_TABN", tabn), ("T_ROT", int(rot)), ("InT", dtype),
                   ("T_KL", kl), ("T_KCH", kch), ("T_PAIR", int(uses_pairs(kc.bits1, kc.bits2, kl))),
-                  ("T_STAGE", int(stages_codes(kc.bits1, kc.bits2, dk, vc.dim, rows, tabn, kl)))]
+                  ("T_STAGE", int(stages_codes(kc.bits1, kc.bits2, dk, vc.dim, rows, tabn, kl))),
+                  ("T_VPL", value_coords(vc.dim))]
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, vc.dim), (bh, splits, rows, 2)]
     if len(per) > 64:
@@ -358,7 +365,8 @@ def _decide(view: CodesView, rows: int, dtype, windowed: bool, with_sinks: bool,
     per = _decisions.get(view.key_codec)
     if per is None:
         per = _decisions[view.key_codec] = {}
-    key = (id(view.value_codec), rows, dtype, windowed, with_sinks, dialect, KEY_LANES, PAIR_TABLES, STAGE_CODES)
+    key = (id(view.value_codec), rows, dtype, windowed, with_sinks, dialect, KEY_LANES, PAIR_TABLES, STAGE_CODES,
+           VALUE_COORDS)
     d = per.get(key, _MISSING)
     if d is _MISSING:
         d = None
@@ -368,7 +376,7 @@ def _decide(view: CodesView, rows: int, dtype, windowed: bool, with_sinks: bool,
             # un-rotated by the merge kernel; the window and sinks need the MLX-ops merge
             fast = _pow2(dk) and _pow2(dv) and dv >= 32 and not windowed and not with_sinks
             d = (fast, (dialect, fast, rows, dk, dv, view.key_codec.bits, view.key_codec.residual, dtype,
-                        KEY_LANES, PAIR_TABLES, STAGE_CODES))
+                        KEY_LANES, PAIR_TABLES, STAGE_CODES, VALUE_COORDS))
         per[key] = d
     return d
 
