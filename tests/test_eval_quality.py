@@ -346,3 +346,50 @@ def test_real_model_short_text(smollm2):
     assert float(exact.scores.kl.max()) < 1e-5
     lo, hi = (P.run_method(model, ids, M.uniform(M.rvq(b), "r"), ref) for b in ((2, 1), (4, 2)))
     assert 0 < hi.scores.kl.mean() < lo.scores.kl.mean() and hi.k_err < lo.k_err / 10
+
+
+# ---- uniform grids: methods, files with compress="best", the estimate used while fitting -------------
+def test_grid_quantizer_is_the_codec_on_a_uniform_grid():
+    from rvqstore import RVQCodec
+    from rvqstore.bit_allocation import grid_bits
+
+    q = M.grid(0.3, 64)
+    assert q.step == 0.3 and q.rvq_bits == grid_bits(0.3) == (4, 1)
+    assert q.bits == RVQCodec(64, (4, 1), step=0.3).bits_per_coordinate
+    x = rand((2, 3, 50, 64), 40)
+    codec = RVQCodec(64, (4, 1), step=0.3)
+    assert mx.array_equal(q.fn(x), codec.decode(codec.encode(x)))
+    # the error in the rotated, normalized coordinates is step^2/12: relative error about the same
+    err = float(mx.mean(mx.sum(mx.square(q.fn(x) - x), -1) / mx.sum(mx.square(x), -1)).item())
+    assert err == pytest.approx(0.3 ** 2 / 12, rel=0.1)
+    m = M.grid_per_side(0.1, 0.3, "g")
+    assert m.plan(0, "k").step == 0.1 and m.plan(5, "v").step == 0.3 and m.name == "grid K s0.1 / V s0.3"
+
+
+def test_rans_estimate_matches_the_writer_encoder():
+    """The size used while fitting steps (no coding) against the real rANS encoder, both table forms."""
+    from quality.disk_bits import rans_estimate
+
+    from rvqstore.format import rans
+
+    rng = np.random.default_rng(41)
+    for bits, scale in ((4, 0.6), (2, 1.0), (1, 1.0)):
+        y = rng.standard_normal((3000, 64)) * scale + np.linspace(-1, 1, 64)  # per-coordinate offsets
+        codes = np.clip(np.floor(y / 0.5 + (1 << bits) / 2), 0, (1 << bits) - 1).astype(np.uint8)
+        words = rans.pack(codes, bits, 64)
+        real = min(len(rans.encode(words.tobytes(), bits, 64, contexts=c)) for c in (1, 0))
+        assert rans_estimate(words, bits, 64) == pytest.approx(real, rel=0.002)
+
+
+def test_grid_files_best_is_measured_and_estimated_from_auto(tiny32):
+    """Grid caches saved for real: "best" (rANS sections) is smaller than "auto" for grid codes, and
+    the estimate from the "auto" file lands within 0.3% of the real "best" file."""
+    from quality.disk_bits import ESTIMATED_BEST, bits_on_disk
+
+    ids = [int(i) for i in np.random.default_rng(14).integers(3, 128, 512)]
+    m = M.grid_per_side(0.15, 0.4, "g", dim=32)
+    d = bits_on_disk(tiny32, CharTokenizer(), ids, m, ("none", "auto", "best", ESTIMATED_BEST))
+    assert d["best"] < d["auto"] <= d["none"] * 1.01, d
+    assert d[ESTIMATED_BEST] == pytest.approx(d["best"], rel=0.003)
+    coarser = bits_on_disk(tiny32, CharTokenizer(), ids, M.grid_per_side(0.3, 0.8, "g", dim=32), ("best",))
+    assert coarser["best"] < d["best"] - 0.5  # a doubled step: about a bit less per coordinate

@@ -64,7 +64,8 @@ def cmd_cache_prompt(args: argparse.Namespace) -> int:
 
 
 def _cache_prompt_with_preset(args, model, tokenizer, tokens, metadata, bar, sbar):
-    """cache-prompt with the caches of a preset (per-side bits; per-layer too with --profile)."""
+    """cache-prompt with the caches of a preset (per-side bits; per-layer too with --profile), saved
+    with the compress mode its budget is measured with ("best" for uniform-grid codes)."""
     import os
 
     from .. import presets, save_prompt_cache
@@ -76,7 +77,8 @@ def _cache_prompt_with_preset(args, model, tokenizer, tokens, metadata, bar, sba
     prefill(model, tokens, cache, chunk=args.chunk, progress=bar)
     t1 = time.perf_counter()
     size = save_prompt_cache(args.output, cache, tokens=tokens, model=model, tokenizer=tokenizer,
-                             metadata={**metadata, "preset": args.preset}, progress=sbar)
+                             metadata={**metadata, "preset": args.preset}, progress=sbar,
+                             compress=presets.get(args.preset).compress(args.profile))
     return CachedPrompt(os.fspath(args.output), len(tokens), size, t1 - t0, time.perf_counter() - t1)
 
 
