@@ -301,7 +301,7 @@ def test_affine_bits_on_disk_count_codes_scales_biases_and_zstd(tiny32):
     ids = [int(i) for i in np.random.default_rng(13).integers(3, 128, 64)]
     for q in (M.rotated_affine(4, 32, 32), M.affine(8, 32, 32)):
         d = bits_on_disk(tiny32, None, ids, M.uniform(q, "a"))
-        assert d["raw"] == pytest.approx(q.bits) and d["zstd"] <= d["raw"]  # 4 + 32/32, 8 + 32/32
+        assert d["raw"] == pytest.approx(q.bits) and d["best"] <= d["zstd"] <= d["raw"]  # 4 + 32/32, 8 + 32/32
     assert file_form(M.variant(M.uniform(M.rvq((2, 2), 32), "r"), sink=1), 2) is None
     assert file_form(M.uniform(M.float16(), "f"), 2) is None
 
@@ -393,3 +393,17 @@ def test_grid_files_best_is_measured_and_estimated_from_auto(tiny32):
     assert d[ESTIMATED_BEST] == pytest.approx(d["best"], rel=0.003)
     coarser = bits_on_disk(tiny32, CharTokenizer(), ids, M.grid_per_side(0.3, 0.8, "g", dim=32), ("best",))
     assert coarser["best"] < d["best"] - 0.5  # a doubled step: about a bit less per coordinate
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+def test_affine_codes_are_read_back_from_mx_quantize_words(bits):
+    """The baseline's codes given to the rANS size estimate are the codes mx.quantize stored."""
+    from quality.disk_bits import _affine_codes
+
+    x = rand((3, 64), 50 + bits).astype(mx.float16)
+    wq, s, b = mx.quantize(x, group_size=32, bits=bits)
+    codes = _affine_codes(wq, bits, 64)
+    assert codes.shape == (3, 64) and codes.min() >= 0 and codes.max() < (1 << bits)
+    rep = lambda a: np.repeat(np.array(a.astype(mx.float32)), 32, axis=1)  # noqa: E731
+    want = np.array(mx.dequantize(wq, s, b, group_size=32, bits=bits).astype(mx.float32))
+    assert np.allclose(codes * rep(s) + rep(b), want, atol=4e-3)

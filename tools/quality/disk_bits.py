@@ -11,7 +11,9 @@ the model hands its cache under that method are quantized as the method does, an
 keeps them: packed uint32 codes + float16 scales + float16 biases per (layer, side). ``raw`` is their
 bytes; ``zstd`` compresses each array on its own with the same zstd level and the same keep-if-it-
 saves->=2% rule as the ``.rvq`` writer's ``auto`` mode (like for like with our ``auto`` files; the
-file container around them, e.g. a safetensors header, is not counted: that favours the baseline).
+file container around them, e.g. a safetensors header, is not counted: that favours the baseline);
+``best`` gives the codes the smaller of that and the size our rANS coder would reach on them (one
+frequency table per head-dim column, :func:`rans_size`: like for like with our ``best`` files).
 
 Methods with evaluation-only codec state (sink tokens, key means) have no file form: ``None``.
 """
@@ -33,9 +35,9 @@ from .protocol import SimCache
 RVQ_MODES = ("none", "auto", "best")  # save_prompt_cache compress modes measured ("best" adds rANS: slow)
 # "best~": the "best" file's size estimated from the "auto" file (best_from_auto), for fitting steps fast
 ESTIMATED_BEST = "best~"
-AFFINE_MODES = ("raw", "zstd")
+AFFINE_MODES = ("raw", "zstd", "best")
 # what a mode of ours compares with, like for like
-LIKE = {"none": "raw", "auto": "zstd", "best": "zstd"}
+LIKE = {"none": "raw", "auto": "zstd", "best": "best"}
 
 
 def file_form(m: Method, n_layers: int) -> str | None:
@@ -108,7 +110,15 @@ def rans_estimate(words: np.ndarray, bits: int, dim: int) -> int:
     ``rans.encode`` on SmolLM2 sections: within +-0.05% (tests/test_eval_quality.py), at 1/300 of the time."""
     from rvqstore.format import rans
 
-    codes = rans.unpack(words, bits, dim)
+    return rans_size(rans.unpack(words, bits, dim), bits)
+
+
+def rans_size(codes: np.ndarray, bits: int) -> int:
+    """:func:`rans_estimate` of codes ``(vectors, dim)`` of ``bits`` bits (also wider than the format's
+    4: the affine baselines' 5-bit codes get the same coder's size)."""
+    from rvqstore.format import rans
+
+    dim = codes.shape[1]
     n, k = codes.size, 1 << bits
     best = None
     for contexts in (1, 0):
@@ -170,11 +180,11 @@ def _zstd_bytes(a: mx.array) -> int:
 
 
 def affine_bits_on_disk(model: Any, ids: Sequence[int], m: Method) -> dict[str, float]:
-    """{"raw": ..., "zstd": ...} bits per coordinate of an affine method's stored arrays."""
+    """{"raw", "zstd", "best"}: bits per coordinate of an affine method's stored arrays."""
     n_layers = len(model.layers)
     caches = [_Capture(layer, m) for layer in range(n_layers)]
     _prefill(model, ids, caches)
-    raw = packed = n_coords = 0
+    raw = packed = best = n_coords = 0
     for c in caches:
         for side in SIDES:
             bits, group, rotated = m.plan(c.layer, side).affine
@@ -186,8 +196,17 @@ def affine_bits_on_disk(model: Any, ids: Sequence[int], m: Method) -> dict[str, 
             mx.eval(*arrays)
             raw += sum(a.nbytes for a in arrays)
             packed += sum(_zstd_bytes(a) for a in arrays)
+            codes = _affine_codes(arrays[0], bits, dim)
+            best += min(_zstd_bytes(arrays[0]), rans_size(codes, bits)) + sum(_zstd_bytes(a) for a in arrays[1:])
             n_coords += x.size
-    return {"raw": raw * 8 / n_coords, "zstd": packed * 8 / n_coords}
+    return {"raw": raw * 8 / n_coords, "zstd": packed * 8 / n_coords, "best": best * 8 / n_coords}
+
+
+def _affine_codes(packed: mx.array, bits: int, dim: int) -> np.ndarray:
+    """mx.quantize's codes ``(vectors, dim)``: its uint32 words are one little-endian bit stream per row."""
+    w = np.asarray(packed).reshape(-1, packed.shape[-1]).view(np.uint8)
+    b = np.unpackbits(w, axis=1, bitorder="little")[:, :dim * bits].reshape(-1, dim, bits)
+    return (b.astype(np.int64) << np.arange(bits)).sum(-1)
 
 
 def _head_dim(model: Any) -> int:
