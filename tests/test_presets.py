@@ -23,17 +23,25 @@ from rvqstore.generation import prefill  # noqa: E402
 def test_presets_name_their_on_disk_budget_and_favour_keys(name, budget):
     p = presets.get(name)
     assert p.budget == budget
-    # files are smaller than the in-memory width, so the settings spend more than the budget in memory,
-    # but never more than zstd can take back (the on-disk promise itself: test_preset_files_keep_their_budget)
-    assert p.memory_bits(64) <= budget + 0.5 and budget <= p.alloc_target <= budget + 0.6
-    assert RVQCodec(64, p.key_bits).predicted_relative_error() <= RVQCodec(64, p.value_bits).predicted_relative_error()
+    # files are smaller than the in-memory width, so the settings spend more than the budget in memory:
+    # Lloyd–Max codes at most what zstd can take back, uniform grids (rANS in "best" files) more
+    # (the on-disk promise itself: test_preset_files_keep_their_budget)
+    assert budget <= p.alloc_target <= budget + 0.6
+    assert p.memory_bits(64) <= budget + (2.5 if p.key_step is not None else 0.5)
+    assert p.key_step is None or p.memory_bits(64) > budget
+    (kb, ks), (vb, vs) = p.sides()
+    if ks is None:
+        assert RVQCodec(64, kb).predicted_relative_error() <= RVQCodec(64, vb).predicted_relative_error()
+    else:  # a grid's error is step^2/12: finer keys
+        assert ks < vs and kb >= vb and p.compress() == "best"
+    assert p.compress(profile="p") == ("best" if p.step_scale is not None else "auto")
 
 
 @pytest.mark.model
 def test_preset_files_keep_their_on_disk_budget(smollm2, sample_tokens, tmp_path):
     """The promise itself: the keys and values of 512 tokens of real text (the bundled model, one
     float32 prefill) coded by each preset, per side and per layer with the SmolLM2 profile, saved with
-    the default compress mode, everything counted: within each preset's budget, and not far below it."""
+    the preset's compress mode, everything counted: within each preset's budget, and not far below it."""
     from mlx_lm.models.cache import KVCache
 
     model, tok = smollm2
@@ -46,7 +54,8 @@ def test_preset_files_keep_their_on_disk_budget(smollm2, sample_tokens, tmp_path
             caches = presets.make_cache(model, name, profile=profile)
             for c, e in zip(caches, exact):
                 c.update_and_fetch(e.keys[..., :e.offset, :], e.values[..., :e.offset, :])
-            size = rvqstore.save_prompt_cache(tmp_path / "p.rvq", caches, tokens=ids, model=model, tokenizer=tok)
+            size = rvqstore.save_prompt_cache(tmp_path / "p.rvq", caches, tokens=ids, model=model, tokenizer=tok,
+                                              compress=p.compress(profile))
             bits = size * 8 / n_coords
             assert p.budget - 0.6 < bits <= p.budget, (name, profile, bits)
 
@@ -82,34 +91,45 @@ def tiny():
     return build("llama")[0]
 
 
-def test_preset_snapshot_roundtrip_and_resume(tiny, tmp_path):
-    p = presets.get("balanced")
-    kb, vb = p.key_bits, p.value_bits
-    assert kb != vb  # a per-side preset: the test is about the two sides' settings surviving
-    caches = presets.make_cache(tiny, "balanced")
-    assert all(type(c) is RVQKVCache and c.value_bits == vb and c.codec_bits == kb for c in caches)
+@pytest.mark.parametrize("name", list(presets.PRESETS))
+def test_preset_snapshot_roundtrip_and_resume(tiny, tmp_path, name):
+    """Each preset's two sides (bits, and grid steps where it has them) survive a file saved with the
+    preset's compress mode, a load (bit for bit) and a resume."""
+    p = presets.get(name)
+    (kb, ks), (vb, vs) = p.sides()
+    caches = presets.make_cache(tiny, name)
+    assert all(type(c) is RVQKVCache and (c.codec_bits, c.value_bits, c.step, c.value_step) == (kb, vb, ks, vs)
+               for c in caches)
     toks = [int(i) for i in np.random.default_rng(1).integers(3, 128, 30)]
     prefill(tiny, toks, caches)
     path = tmp_path / "p.rvq"
-    rvqstore.save_prompt_cache(path, caches, tokens=toks, model=tiny)
+    rvqstore.save_prompt_cache(path, caches, tokens=toks, model=tiny, compress=p.compress())
     back = rvqstore.load_prompt_cache(path, model=tiny)
     for a, b in zip(caches, back):
-        assert (b.codec_bits, b.value_bits) == (kb, vb)
+        assert (b.codec_bits, b.value_bits, b.step, b.value_step) == (kb, vb, ks, vs)
         for x, y in zip(a.keys_and_values(), b.keys_and_values()):
             assert np.array_equal(np.array(x), np.array(y))
     r = rvqstore.resume(path, toks + [5, 6], tiny)
-    assert r.reused == 30 and all(c.value_bits == vb for c in r.cache)
+    assert r.reused == 30 and all((c.value_bits, c.value_step) == (vb, vs) for c in r.cache)
 
 
-def test_profile_allocates_per_layer_within_the_budget(tiny, tmp_path):
+@pytest.mark.parametrize("name", list(presets.PRESETS))
+def test_profile_allocates_per_layer_within_the_budget(tiny, tmp_path, name):
     n = len(tiny.layers)
     sens = {(l, s): (5.0 if l == 0 else 1.0) * (3.0 if s == "k" else 1.0) for l in range(n) for s in "kv"}
-    p = presets.get("balanced")
-    bits = p.layer_bits(n, sens)
-    avg = sum(RVQCodec(64, kb).bits_per_coordinate + RVQCodec(64, vb).bits_per_coordinate for kb, vb in bits) / (2 * n)
-    assert avg <= 4.5 and bits[0][0] != bits[1][1]
-    caches = presets.make_cache(tiny, "balanced", profile=sens)
-    assert [(c.codec_bits, c.value_bits) for c in caches] == bits
+    p = presets.get(name)
+    settings = p.layer_settings(n, sens)
+    caches = presets.make_cache(tiny, name, profile=sens)
+    assert [((c.codec_bits, c.step), (c.value_bits, c.value_step)) for c in caches] == settings
+    assert [(k[0], v[0]) for k, v in settings] == p.layer_bits(n, sens)
+    if p.step_scale is None:  # Lloyd–Max bits at the fixed-width target
+        avg = sum(RVQCodec(64, k[0]).bits_per_coordinate + RVQCodec(64, v[0]).bits_per_coordinate
+                  for k, v in settings) / (2 * n)
+        assert avg <= p.alloc_target
+    else:  # grid steps ~ 1/sqrt(sensitivity): 15x the sensitivity of the layer-1 values -> ~1/3.9 of the step
+        steps = {(l, s): (settings[l][0] if s == "k" else settings[l][1])[1] for l in range(n) for s in "kv"}
+        assert steps[(0, "k")] < steps[(0, "v")] < steps[(1, "v")]
+        assert steps[(1, "v")] / steps[(0, "k")] == pytest.approx(15 ** 0.5, rel=0.2)
     f = tmp_path / "prof.json"
     f.write_text('{"slots": {"0:k": 1.0, "0:v": 0.5}}')
     with pytest.raises(CodecConfigError, match="another model"):
