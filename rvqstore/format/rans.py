@@ -48,7 +48,7 @@ MAX_DIM = 1 << 16
 WRITER_PROB_BITS = 12
 #: The numpy decoder pays ~10 us per step whatever the lane count, a lane ~2-4 bytes of state. Sections
 #: of at least LARGE_SECTION symbols aim at 1024 steps (SmolLM2 files of 1024 tokens, `best`: load
-#: 2-3.8x faster than at 2048 steps for 0.17-0.39 % more bytes, tools/results/ecsq-files.md); smaller
+#: 2.4-3.4x faster than at 2048 steps for 0.17-0.39 % more bytes, tools/results/ecsq-files.md); smaller
 #: ones decode in milliseconds anyway, and there the extra lanes' states cost more than they save.
 TARGET_STEPS = 1024
 SMALL_SECTION_STEPS = 2048
