@@ -117,11 +117,13 @@ def test_staged_code_words_stay_within_the_shared_memory_budget():
 
 
 def test_value_coordinates_per_thread_keep_whole_rows(monkeypatch):
-    """8 coordinates per thread only where the value head dim is a multiple of 8 (80, 96, 128 yes; 36 no)."""
+    """8 coordinates per thread only where asked and the value head dim is a multiple of 8 (80, 96, 128 yes;
+    36 no); 4 where asked."""
+    monkeypatch.setattr(kernel, "VALUE_COORDS", 8)
     for dv, want in ((36, 4), (64, 8), (80, 8), (96, 8), (128, 8), (256, 8)):
         assert kernel.value_coords(dv) == want
     monkeypatch.setattr(kernel, "VALUE_COORDS", 4)
-    assert kernel.value_coords(128) == 4
+    assert kernel.value_coords(128) == 4 and kernel.value_coords(36) == 4
 
 
 def test_failing_kernel_falls_back_and_latches_off(monkeypatch, caplog):

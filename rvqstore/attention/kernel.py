@@ -46,8 +46,9 @@ KEY_REGISTERS = 64
 #: where bits1 + bits2 <= PAIR_MAX_BITS and the key phase has several lanes per token; False: never
 PAIR_TABLES = True
 PAIR_MAX_BITS = 4
-#: coordinates per thread in the value phase: 8 where the value head dim allows it (a multiple of 8), else 4
-VALUE_COORDS = 8
+#: coordinates per thread in the value phase: 4, or 8 where the value head dim allows it (a multiple of 8);
+#: 4 measured faster at the 8B geometry (GQA 4: 0.26 against 0.29 ms at 128k; tools/results/attention-h200.json)
+VALUE_COORDS = 4
 #: copy each tile's code words to shared memory first (all of a thread's loads in flight at once) where
 #: the kernel's shared memory then stays within SHARED_BYTES; False: never
 STAGE_CODES = True
