@@ -120,3 +120,15 @@ def test_prefix_store_refuses_grid_codes(llama, tmp_path):
     store = rvqstore.PrefixStore(str(tmp_path / "s"), model=llama, bits=(4, 2), block_size=8)
     with pytest.raises(StoreConfigError, match="uniform grid"):
         store.put(TOKENS[:8], caches)
+
+
+def test_gpu_attention_kernel_takes_only_one_table_for_both_sides():
+    """The attention kernel decodes keys and values with one table: grids of other steps (equal bits)
+    must send the call elsewhere (pure planning: runs on the CPU)."""
+    from rvqstore.attention import kernel
+
+    k = mx.array(np.random.default_rng(3).standard_normal((1, 2, 20, 64)).astype(np.float32))
+    for value_step, want in ((0.4, "keys and values coded differently"), (None, None)):
+        c = RVQKVCache((2, 2), step=0.3, value_step=value_step)
+        c.update_and_fetch(k, k)
+        assert kernel.supported(c.codes_view(), 4) == want

@@ -82,10 +82,26 @@ def _kernel(dialect: str, name: str = "attend"):
     return k
 
 
+_tables_alike: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _one_table(kc, vc) -> bool:
+    """The kernel decodes keys and values with the key codec's table: equal bits are not enough (grids of
+    other steps, or a file's tables, differ). Compared once per pair of codecs."""
+    if kc is vc:
+        return True
+    got = _tables_alike.get(kc)
+    if got is None or got[0]() is not vc:
+        same = np.array_equal(kc.centroids1, vc.centroids1) and (
+            kc.centroids2 is None or np.array_equal(kc.centroids2, vc.centroids2))
+        got = _tables_alike[kc] = (weakref.ref(vc), same)
+    return got[1]
+
+
 def supported(view: CodesView, rows: int) -> str | None:
     """None if the kernel takes this call, else why not."""
     kc, vc = view.key_codec, view.value_codec
-    if (kc.bits1, kc.bits2, kc.residual) != (vc.bits1, vc.bits2, vc.residual):
+    if (kc.bits1, kc.bits2, kc.residual) != (vc.bits1, vc.bits2, vc.residual) or not _one_table(kc, vc):
         return "keys and values coded differently"
     if kc.bits1 not in (1, 2, 4) or kc.bits2 not in (0, 1, 2, 4):
         return "3-bit codes"
