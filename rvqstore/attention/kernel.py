@@ -14,6 +14,11 @@ The kernel takes: codes of 1, 2 or 4 bits per stage, head dims that are multiple
 up to :data:`MAX_ROWS` rows, masks None or ``"causal"``. Other calls return None here and the
 MLX-ops formulation serves them. A kernel that fails to build or run is latched off (logged once)
 like the codec's fused kernels.
+
+The layout inside a threadgroup is chosen per configuration from the module settings below (lanes per
+token in the key phase, pair tables, staged code words, value coordinates per thread; docs/attention.md):
+each is a template argument of the same kernel body, so earlier layouts stay selectable for same-run
+comparisons (tools/kernel_variants.py).
 """
 
 from __future__ import annotations
