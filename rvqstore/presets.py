@@ -2,18 +2,25 @@
 
 Keys are the sensitive side of the cache: quantizing every key with RVQ 2+1 costs SmolLM2-135M
 about seven times the next-token KL that the same code on every value does (tools/probe_sensitivity.py).
-Each preset gives keys at least the bits of values, under the budget its name promises: bits per
-coordinate of the saved ``.rvq`` file (default ``compress="auto"``, everything counted: header,
-token ids, norms, codes). Figures are measured on the bundled model (mean token KL against the
+Each preset codes keys finer than values, under the budget its name promises: bits per coordinate of
+the saved ``.rvq`` file (everything counted: header, token ids, norms, codes), saved with the preset's
+:meth:`Preset.compress` mode. Figures are measured on the bundled model (mean token KL against the
 float32 cache, pooled over three texts of different kinds, and on a fourth kept aside): see
 docs/quality.md. On the command line: ``rvqstore cache-prompt --preset balanced [--profile P]``.
 
-    caches = rvqstore.presets.make_cache(model, "balanced")
-    caches = rvqstore.presets.make_cache(model, "balanced", profile="smollm2.json")  # bits per layer too
+    p = rvqstore.presets.get("balanced")
+    caches = p.make_cache(model)                              # uniform grids, one step per side
+    caches = p.make_cache(model, profile="smollm2.json")      # a step per layer and side
+    rvqstore.save_prompt_cache(path, caches, tokens=ids, compress=p.compress())   # "best": rANS
 
-With a sensitivity profile of the model (``tools/probe_sensitivity.py``), bits are also allocated
-per layer (:mod:`rvqstore.bit_allocation`) at the preset's fixed-width target, measured to land
-within the on-disk budget; snapshots carry per-layer, per-side settings in their quantizer table.
+The presets code with **uniform grids** (``RVQCodec(step=...)``), stored near their entropy by
+``compress="best"`` (rANS sections): about half the token KL of Lloyd–Max codes at the same bits on
+disk, because a grid's rate follows its step continuously, so each side (and with a profile each
+layer) gets the step its sensitivity calls for (:mod:`rvqstore.bit_allocation`). Two costs: in memory
+grid codes keep their fixed width, wider than the budget (``memory_bits``: e.g. balanced 5.75 bits
+per coordinate against 4.5 on disk), and "best" files decode rANS in numpy when loaded (docs/quality.md
+gives the load time). ``grid=False`` selects the previous Lloyd–Max settings, which meet the same
+budgets with ``compress="auto"`` (zstd, milliseconds to load) at a higher token KL.
 """
 
 from __future__ import annotations
@@ -57,67 +64,75 @@ class Preset:
     value_step: float | None = None
     step_scale: float | None = None
 
-    def sides(self) -> tuple[Side, Side]:
-        """(key, value) settings without a profile."""
-        if self.key_step is None:
+    def sides(self, grid: bool = True) -> tuple[Side, Side]:
+        """(key, value) settings without a profile (``grid=False``: the Lloyd–Max ones)."""
+        if self.key_step is None or not grid:
             return (self.key_bits, None), (self.value_bits, None)
         return (grid_bits(self.key_step), self.key_step), (grid_bits(self.value_step), self.value_step)
 
-    def uses_grid(self, profile: Any = None) -> bool:
-        return (self.step_scale if profile is not None else self.key_step) is not None
+    def uses_grid(self, profile: Any = None, grid: bool = True) -> bool:
+        return grid and (self.step_scale if profile is not None else self.key_step) is not None
 
-    def compress(self, profile: Any = None) -> str:
+    def compress(self, profile: Any = None, grid: bool = True) -> str:
         """The ``save_prompt_cache`` mode the budget is measured with: ``"best"`` for grid codes
         (their size is in the rANS sections), else the default ``"auto"``."""
-        return "best" if self.uses_grid(profile) else "auto"
+        return "best" if self.uses_grid(profile, grid) else "auto"
 
-    def memory_bits(self, head_dim: int = 64) -> float:
+    def memory_bits(self, head_dim: int = 64, grid: bool = True) -> float:
         """Bits per coordinate in memory without a profile (codes, per-vector norms, packing), keys
         and values averaged."""
-        return sum(RVQCodec(head_dim, b, step=st).bits_per_coordinate for b, st in self.sides()) / 2
+        return sum(RVQCodec(head_dim, b, step=st).bits_per_coordinate for b, st in self.sides(grid)) / 2
 
-    def layer_settings(self, n_layers: int, profile: Any = None) -> list[tuple[Side, Side]]:
+    def layer_settings(self, n_layers: int, profile: Any = None, grid: bool = True) -> list[tuple[Side, Side]]:
         """(key, value) settings per layer: the preset's pair, or with ``profile`` (a path or a
         ``{(layer, "k"|"v"): sensitivity}`` map covering every layer) an allocation."""
         if profile is None:
-            return [self.sides()] * n_layers
+            return [self.sides(grid)] * n_layers
         sens: dict[Slot, float] = load_profile(profile) if not isinstance(profile, dict) else dict(profile)
         want = {(l, s) for l in range(n_layers) for s in ("k", "v")}
         if set(sens) != want:
             raise CodecConfigError(f"the profile covers {len(sens)} slots; this model has {n_layers} layers "
                                    f"({len(want)} slots): a profile of another model?")
-        if self.step_scale is not None:
+        if self.step_scale is not None and grid:
             steps = allocate_steps(sens, self.step_scale)
             return [tuple((grid_bits(steps[(l, s)]), steps[(l, s)]) for s in ("k", "v")) for l in range(n_layers)]
         table = allocate(sens, self.alloc_target)
         return [((table[(l, "k")], None), (table[(l, "v")], None)) for l in range(n_layers)]
 
-    def layer_bits(self, n_layers: int, profile: Any = None) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    def layer_bits(self, n_layers: int, profile: Any = None, grid: bool = True) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         """(key bits, value bits) in memory per layer (see :meth:`layer_settings`)."""
-        return [(k[0], v[0]) for k, v in self.layer_settings(n_layers, profile)]
+        return [(k[0], v[0]) for k, v in self.layer_settings(n_layers, profile, grid)]
 
-    def make_cache(self, model: Any, *, profile: Any = None, **kwargs: Any) -> list:
+    def make_cache(self, model: Any, *, profile: Any = None, grid: bool = True, **kwargs: Any) -> list:
         """One cache per layer of ``model`` (:func:`rvqstore.make_prompt_cache` with these settings).
 
         Plain attention layers get per-side (and with ``profile`` per-layer) settings; other RVQ cache
-        kinds (sliding windows) take the key setting on both sides: more bits there, never less quality."""
+        kinds (sliding windows) take the key setting on both sides: more bits there, never less quality.
+        ``grid=False``: the Lloyd–Max settings, whose files meet the budget with ``compress="auto"``
+        (zstd: they load in milliseconds, where "best" files decode rANS in numpy) at a higher token KL."""
         from .prompt_cache import make_prompt_cache
 
-        (kb, ks), _ = self.sides()
+        (kb, ks), _ = self.sides(grid)
         caches = make_prompt_cache(model, kb, step=ks, **kwargs)
-        settings = self.layer_settings(len(caches), profile)
+        settings = self.layer_settings(len(caches), profile, grid)
         # both sides of a setting are grids or neither (value_step=None would mean "the keys' step")
         return [RVQKVCache(k[0], value_bits=v[0], step=k[1], value_step=v[1], **kwargs) if type(c) is RVQKVCache else c
                 for c, (k, v) in zip(caches, settings)]
 
 
-# Budgets are on disk; the settings and targets below were chosen with tools/eval_quality.py (--fit for
-# the targets: the largest whose 512-token files of the three tuning texts all stay within the budget;
-# the per-side pairs: the lowest pooled token KL among those within it). Figures: docs/quality.md.
+# Budgets are on disk. Each preset keeps its Lloyd–Max settings (key_bits/value_bits, alloc_target: the
+# previous revision's presets, measured with compress="auto") and, chosen over them on the pooled tuning
+# texts, uniform grids: steps per side (keys at 0.38 of the values' step, the study's optimum) and the
+# allocation's scale, each the finest whose files (compress="best", the 512-token cached halves of the
+# three tuning texts) all stay within the budget (tools/eval_quality.py --fit / --fit-grid;
+# tools/results/quality-fit-grid-smollm2.json). Figures: docs/quality.md.
 PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("near-lossless", (4, 2), (4, 2), 6.0, 6.32, "<= 6 bits/coord on disk: token KL a few thousandths"),
-    Preset("balanced", (4, 1), (2, 2), 4.5, 4.74, "<= 4.5 bits/coord on disk: ahead of rotated 4-bit affine"),
-    Preset("small", (2, 1), (1, 1), 3.0, 3.16, "<= 3 bits/coord on disk: the smallest usable cache"),
+    Preset("near-lossless", (4, 2), (4, 2), 6.0, 6.32, "<= 6 bits/coord on disk: token KL a few thousandths",
+           key_step=0.04404, value_step=0.1159, step_scale=0.0533),
+    Preset("balanced", (4, 1), (2, 2), 4.5, 4.74, "<= 4.5 bits/coord on disk: ahead of rotated 4-bit affine",
+           key_step=0.1246, value_step=0.3278, step_scale=0.1474),
+    Preset("small", (2, 1), (1, 1), 3.0, 3.16, "<= 3 bits/coord on disk: the smallest usable cache",
+           key_step=0.3648, value_step=0.96, step_scale=0.42),
 )}
 
 
@@ -128,6 +143,7 @@ def get(name: str) -> Preset:
         raise CodecConfigError(f"unknown preset {name!r}; the presets are {', '.join(PRESETS)}") from None
 
 
-def make_cache(model: Any, preset: str = "balanced", *, profile: Any = None, **kwargs: Any) -> list:
-    """Caches for ``model`` with the settings of the named preset (see :data:`PRESETS`)."""
-    return get(preset).make_cache(model, profile=profile, **kwargs)
+def make_cache(model: Any, preset: str = "balanced", *, profile: Any = None, grid: bool = True, **kwargs: Any) -> list:
+    """Caches for ``model`` with the settings of the named preset (see :data:`PRESETS`); save them with
+    ``compress=get(preset).compress(profile, grid)``."""
+    return get(preset).make_cache(model, profile=profile, grid=grid, **kwargs)

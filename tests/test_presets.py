@@ -40,9 +40,16 @@ def test_presets_name_their_on_disk_budget_and_favour_keys(name, budget):
 @pytest.mark.model
 def test_preset_files_keep_their_on_disk_budget(smollm2, sample_tokens, tmp_path):
     """The promise itself: the keys and values of 512 tokens of real text (the bundled model, one
-    float32 prefill) coded by each preset, per side and per layer with the SmolLM2 profile, saved with
-    the preset's compress mode, everything counted: within each preset's budget, and not far below it."""
+    float32 prefill) coded by each preset, per side and per layer with the SmolLM2 profile, in both
+    forms (uniform grids; Lloyd–Max with grid=False), saved with the preset's compress mode, everything
+    counted: within each preset's budget, and not far below it. One grid file is written with "best"
+    for real; the others' "best" size is the estimate from their "auto" file that the evaluation fits
+    with (tools/quality/disk_bits.best_from_auto, within 0.3% of the real file:
+    tests/test_eval_quality.py), since numpy rANS encoding takes tens of seconds per file."""
     from mlx_lm.models.cache import KVCache
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from quality.disk_bits import best_from_auto
 
     model, tok = smollm2
     ids = sample_tokens[:512]
@@ -51,13 +58,17 @@ def test_preset_files_keep_their_on_disk_budget(smollm2, sample_tokens, tmp_path
     n_coords = len(ids) * len(model.layers) * model.args.num_key_value_heads * 64 * 2
     for name, p in presets.PRESETS.items():
         for profile in (None, PROFILE):
-            caches = presets.make_cache(model, name, profile=profile)
-            for c, e in zip(caches, exact):
-                c.update_and_fetch(e.keys[..., :e.offset, :], e.values[..., :e.offset, :])
-            size = rvqstore.save_prompt_cache(tmp_path / "p.rvq", caches, tokens=ids, model=model, tokenizer=tok,
-                                              compress=p.compress(profile))
-            bits = size * 8 / n_coords
-            assert p.budget - 0.6 < bits <= p.budget, (name, profile, bits)
+            for grid in (True, False):
+                caches = presets.make_cache(model, name, profile=profile, grid=grid)
+                for c, e in zip(caches, exact):
+                    c.update_and_fetch(e.keys[..., :e.offset, :], e.values[..., :e.offset, :])
+                mode = p.compress(profile, grid)
+                real = mode == "auto" or (name, profile) == ("balanced", None)
+                path = tmp_path / f"{name}-{profile is None}-{grid}.rvq"
+                size = rvqstore.save_prompt_cache(path, caches, tokens=ids, model=model, tokenizer=tok,
+                                                  compress=mode if real else "auto")
+                bits = (size if real else best_from_auto(str(path))) * 8 / n_coords
+                assert p.budget - 0.6 < bits <= p.budget, (name, profile, grid, bits)
 
 
 def test_unknown_preset_is_a_typed_error():
@@ -162,9 +173,9 @@ def test_cli_cache_prompt_with_a_preset_and_a_profile(tmp_path, capsys):
     out = tmp_path / "p.rvq"
     r = run("-o", out, "--preset", "balanced", "--profile", prof)
     assert r.returncode == 0, r.stderr
-    want = presets.get("balanced").layer_bits(2, {(0, "k"): 9.0, (0, "v"): 1.0, (1, "k"): 0.5, (1, "v"): 0.1})
+    want = presets.get("balanced").layer_settings(2, {(0, "k"): 9.0, (0, "v"): 1.0, (1, "k"): 0.5, (1, "v"): 0.1})
     back = rvqstore.load_prompt_cache(out, model=model)
-    assert [(c.codec_bits, c.value_bits) for c in back] == want and want[0] != want[1]
+    assert [((c.codec_bits, c.step), (c.value_bits, c.value_step)) for c in back] == want and want[0] != want[1]
     with rvqstore.open(out) as f:
         assert f.metadata.get("preset") == "balanced"
     # unknown names, --bits with --preset, --profile alone: one line, status 2, before the model loads
