@@ -305,7 +305,8 @@ class RVQKVCache:
         geo = check_update(keys, values, self.geometry)
         if self.geometry is not None:
             return
-        key_codec, value_codec = self._codec(geo[2]), self._codec(geo[3], self.value_bits, self.value_step)  # raises on a bad head dim
+        # raises on a bad head dim
+        key_codec, value_codec = self._codec(geo[2]), self._codec(geo[3], self.value_bits, self.value_step)
         self.geometry = geo
         self.dtype = keys.dtype
         self._keys, self._values = _Stream(key_codec, geo[:2]), _Stream(value_codec, geo[:2])

@@ -16,10 +16,13 @@ A quantizer's index is the number of boundaries the value exceeds: ``idx = sum_k
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+
+from .errors import CodecConfigError
 
 _SQRT2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -202,12 +205,6 @@ def residual_tables(kind: str, bits1: int, bits2: int) -> ResidualTables:
 
 
 # ---- uniform grids (entropy-constrained scalar quantization) --------------------------------------
-def _grid_error(msg: str) -> Exception:
-    from .errors import CodecConfigError  # local: the tables above need no error classes
-
-    return CodecConfigError(msg)
-
-
 def uniform_grid(bits1: int, bits2: int, step: float) -> dict[str, np.ndarray]:
     """A uniform grid of ``L = 2^(bits1 + bits2)`` points as two-stage conditional tables.
 
@@ -223,16 +220,15 @@ def uniform_grid(bits1: int, bits2: int, step: float) -> dict[str, np.ndarray]:
     of :class:`ResidualTables`). CodecConfigError for a step that is not a finite positive number, or
     one so small or large that the float32 points and thresholds are not strictly increasing.
     """
-    import numbers
-
     for b, lo in ((bits1, 1), (bits2, 0)):
         if not isinstance(b, int) or isinstance(b, bool) or not lo <= b <= 4:
-            raise _grid_error(f"uniform grid bits must be stage 1 in 1..4 and stage 2 in 0..4, got {(bits1, bits2)!r}")
+            raise CodecConfigError(f"uniform grid bits must be stage 1 in 1..4 and stage 2 in 0..4, "
+                                   f"got {(bits1, bits2)!r}")
     if not isinstance(step, numbers.Real) or isinstance(step, bool):
-        raise _grid_error(f"step must be a real number, got {step!r}")
+        raise CodecConfigError(f"step must be a real number, got {step!r}")
     step = float(step)
     if not math.isfinite(step) or step <= 0.0:
-        raise _grid_error(f"step must be finite and > 0, got {step!r}")
+        raise CodecConfigError(f"step must be finite and > 0, got {step!r}")
     levels = 1 << (bits1 + bits2)
     k = np.arange(levels, dtype=np.float64)
     with np.errstate(over="ignore"):
@@ -240,7 +236,7 @@ def uniform_grid(bits1: int, bits2: int, step: float) -> dict[str, np.ndarray]:
         t = ((v[:-1].astype(np.float64) + v[1:].astype(np.float64)) / 2.0).astype(np.float32)
     # strictly increasing points with every threshold strictly between its two points (and all finite)
     if not (np.all(np.isfinite(v)) and np.all(v[:-1] < t) and np.all(t < v[1:])):
-        raise _grid_error(f"step {step!r} is too {'small' if step < 1.0 else 'large'} for a {levels}-point "
+        raise CodecConfigError(f"step {step!r} is too {'small' if step < 1.0 else 'large'} for a {levels}-point "
                           f"float32 grid (points and thresholds must be finite and strictly increasing)")
     l2 = 1 << bits2
     if bits2 == 0:
@@ -251,7 +247,7 @@ def uniform_grid(bits1: int, bits2: int, step: float) -> dict[str, np.ndarray]:
            "c2": np.ascontiguousarray(cells),
            "b2": np.ascontiguousarray(np.append(t, np.float32(0)).reshape(-1, l2)[:, :-1])}
     if not np.all(np.diff(out["c1"]) > 0):  # the means of neighbouring cells (cannot fail once v is valid)
-        raise _grid_error(f"step {step!r}: stage-1 centroids of the grid are not strictly increasing")
+        raise CodecConfigError(f"step {step!r}: stage-1 centroids of the grid are not strictly increasing")
     return out
 
 
@@ -280,11 +276,9 @@ def grid_step(c1: np.ndarray, b1: np.ndarray, c2: np.ndarray | None, b2: np.ndar
             continue
         try:
             g = uniform_grid(bits1, bits2, float(step))
-        except Exception:  # CodecConfigError: not a grid this rule makes
+        except CodecConfigError:  # not a grid this rule makes
             continue
-        same = (np.array_equal(g["c1"], np.asarray(c1, np.float32)) and np.array_equal(g["b1"], np.asarray(b1, np.float32))
-                and (c2 is None or (np.array_equal(g["c2"], np.asarray(c2, np.float32))
-                                    and np.array_equal(g["b2"], np.asarray(b2, np.float32)))))
-        if same:
+        given = {"c1": c1, "b1": b1} if c2 is None else {"c1": c1, "b1": b1, "c2": c2, "b2": b2}
+        if all(np.array_equal(g[k], np.asarray(v, np.float32)) for k, v in given.items()):
             return float(step)
     return None
