@@ -65,18 +65,24 @@ def _bits_name(b) -> str:
 
 def preset_rows(name: str) -> list[tuple[str, str, str]]:
     """(label, evaluated row name, compress mode its budget is measured with) of preset ``name``
-    (rvqstore.presets): without a profile (per side) and with the SmolLM2 profile (per layer and side)."""
+    (rvqstore.presets): without a profile (per side) and with the SmolLM2 profile (per layer and side),
+    in its grid form and its Lloyd–Max form (``grid=False``) where it has both."""
     from rvqstore.presets import get
 
     p = get(name)
-    (kb, ks), (vb, vs) = p.sides()
-    if ks is None:
-        k, v = _bits_name(kb), _bits_name(vb)
-        side = (k if k == v else f"K {k} / V {v}")
-    else:
-        side = f"grid K s{ks:g} / V s{vs:g}"
-    alloc = f"grid alloc {p.step_scale:g}" if p.step_scale is not None else f"RVQ alloc {p.alloc_target:g}"
-    return [("per side", side, p.compress()), ("per layer+side (profile)", alloc, p.compress(profile="profile"))]
+    out = []
+    for grid in ((True, False) if p.key_step is not None else (False,)):
+        (kb, ks), (vb, vs) = p.sides(grid)
+        if ks is None:
+            k, v = _bits_name(kb), _bits_name(vb)
+            side = (k if k == v else f"K {k} / V {v}")
+        else:
+            side = f"grid K s{ks:g} / V s{vs:g}"
+        alloc = f"grid alloc {p.step_scale:g}" if grid and p.step_scale is not None else f"RVQ alloc {p.alloc_target:g}"
+        tag = "" if grid or p.key_step is None else ", Lloyd–Max: grid=False"
+        out += [(f"per side{tag}", side, p.compress(None, grid)),
+                (f"per layer+side, profile{tag}", alloc, p.compress("profile", grid))]
+    return out
 
 
 def _rivals(rows: dict, r: dict, mode: str) -> list[dict]:
