@@ -69,6 +69,20 @@ def test_skewed_codes_shrink_uniform_ones_do_not():
     assert len(rans.encode(uniform, 2, 64, contexts=1)) > len(uniform)
 
 
+@pytest.mark.parametrize("skew", [True, False])
+def test_the_writers_choice_is_the_shorter_form_and_the_estimate_is_close(skew):
+    # per-coordinate skew favours one table per coordinate; shared statistics favour one table
+    rng = np.random.default_rng(7 if skew else 8)
+    raw = _codes(rng, 2000, 64, 3, skew=skew).tobytes()
+    forms = {c: rans.encode(raw, 3, 64, contexts=c) for c in (1, 0)}
+    smallest = rans.encode_smallest(raw, 3, 64)
+    assert smallest == min(forms.values(), key=len)
+    codes = rans.unpack(np.frombuffer(raw, "<u4"), 3, 64)
+    for c, stored in forms.items():
+        assert rans.estimated_size(codes, 3, c) == pytest.approx(len(stored), rel=0.01)
+    assert rans.encode_smallest(b"\x01\x02", 3, 64) is None  # not whole vectors
+
+
 def test_noncanonical_words_are_not_entropy_coded():
     words = _codes(np.random.default_rng(1), 10, 12, 3)  # 3 bits: 10 codes per word, 2 bits unused
     words[5] |= np.uint32(1 << 31)

@@ -126,10 +126,11 @@ def choose_lanes(n_symbols: int, dim: int, contexts: int) -> int:
 
 
 # ---- encoder ----------------------------------------------------------------------------------
-def encode(raw: bytes | memoryview, bits: int, dim: int, *, contexts: int = 1,
-           prob_bits: int = WRITER_PROB_BITS, lanes: int | None = None) -> bytes | None:
-    """The ``rans`` stored bytes of a code section's raw bytes, or None if they are not canonical
-    packed codes of this geometry (unused bits set, or a length that is not whole vectors)."""
+def _codes(raw: bytes | memoryview, bits: int, dim: int) -> np.ndarray | None:
+    """Codes ``(vectors, dim)`` of a code section's raw bytes, or None if they are not canonical packed
+    codes of this geometry (unused bits set, or a length that is not whole vectors)."""
+    if len(raw) % 4:
+        return None
     words = np.frombuffer(raw, dtype="<u4")
     w = words_per_vector(dim, bits)
     if words.size == 0 or words.size % w:
@@ -137,34 +138,85 @@ def encode(raw: bytes | memoryview, bits: int, dim: int, *, contexts: int = 1,
     codes = unpack(words, bits, dim)
     if not np.array_equal(pack(codes, bits, dim), words):  # unused bits set: rans would not round-trip
         return None
-    n_vec = codes.shape[0]
-    n = n_vec * dim
-    T = dim if contexts else 1
+    return codes
+
+
+def _histogram(codes: np.ndarray, bits: int, contexts: int) -> np.ndarray:
+    """Symbol counts ``(T, 2^bits)``: one row per coordinate (``contexts = 1``) or one row."""
     k = 1 << bits
     if contexts:
-        hist = np.stack([np.bincount(codes[:, j], minlength=k) for j in range(dim)])
-    else:
-        hist = np.bincount(codes.reshape(-1), minlength=k)[None]
-    freq = np.stack([quantize_frequencies(h, prob_bits) for h in hist])  # (T, k)
+        dim = codes.shape[1]
+        return np.bincount((np.arange(dim) * k + codes).reshape(-1), minlength=dim * k).reshape(dim, k)
+    return np.bincount(codes.reshape(-1), minlength=k)[None]
+
+
+def estimated_size(codes: np.ndarray, bits: int, contexts: int, prob_bits: int = WRITER_PROB_BITS) -> int:
+    """Bytes of :func:`encode`'s output estimated from the histogram, without coding: the ideal code
+    length under the quantized frequencies, plus the header, the tables and the lanes' states (within
+    ~0.1 % of the real size on model caches; the lanes' final flushes are what it approximates)."""
+    hist = _histogram(codes, bits, contexts)
+    freq = np.stack([quantize_frequencies(h, prob_bits) for h in hist])
+    with np.errstate(divide="ignore"):
+        cost = np.where(hist > 0, prob_bits - np.log2(np.maximum(freq, 1)), 0.0)
+    lanes = choose_lanes(codes.size, codes.shape[1], contexts)
+    words = max(0, int(np.ceil(float(np.sum(hist * cost)) / WORD_BITS)) - lanes)  # each final state holds ~16 bits
+    return FIXED.size + freq.size * 2 + lanes * 4 + 2 * words + lanes  # ~1 byte per lane of flush slack
+
+
+def encode(raw: bytes | memoryview, bits: int, dim: int, *, contexts: int = 1,
+           prob_bits: int = WRITER_PROB_BITS, lanes: int | None = None) -> bytes | None:
+    """The ``rans`` stored bytes of a code section's raw bytes, or None if they are not canonical
+    packed codes of this geometry (unused bits set, or a length that is not whole vectors)."""
+    codes = _codes(raw, bits, dim)
+    return None if codes is None else _encode_codes(codes, bits, contexts, prob_bits, lanes)
+
+
+def encode_smallest(raw: bytes | memoryview, bits: int, dim: int) -> bytes | None:
+    """The shorter of :func:`encode` with one table per coordinate and with one table (the writer's
+    choice). The estimates pick the form; both are coded only when they are within 1 % of each other,
+    so a section is coded about once instead of twice (identical output to coding both)."""
+    codes = _codes(raw, bits, dim)
+    if codes is None:
+        return None
+    est = {c: estimated_size(codes, bits, c) for c in (1, 0)}
+    first, second = sorted(est, key=lambda c: (est[c], -c))
+    stored = _encode_codes(codes, bits, first, WRITER_PROB_BITS, None)
+    if est[second] <= 1.01 * est[first]:
+        other = _encode_codes(codes, bits, second, WRITER_PROB_BITS, None)
+        if len(other) < len(stored) or (len(other) == len(stored) and second == 1):
+            stored = other
+    return stored
+
+
+def _encode_codes(codes: np.ndarray, bits: int, contexts: int, prob_bits: int, lanes: int | None) -> bytes:
+    dim = codes.shape[1]
+    n = codes.size
+    T = dim if contexts else 1
+    freq = np.stack([quantize_frequencies(h, prob_bits) for h in _histogram(codes, bits, contexts)])  # (T, k)
     cum = np.concatenate([np.zeros((T, 1), np.int64), np.cumsum(freq, axis=1)], axis=1)
     if lanes is None:
         lanes = choose_lanes(n, dim, contexts)
-    sym = codes.reshape(-1).astype(np.int64)
     steps = -(-n // lanes)
-    lane_ctx = (np.arange(lanes) % dim) if contexts else np.zeros(lanes, np.int64)
+    # every symbol's frequency, cumulative frequency and renormalization bound, gathered once (the loop
+    # below then slices: its cost is numpy's per-call overhead, ~steps x a few calls)
+    sym = codes.reshape(-1).astype(np.int64)
+    ctx = (np.arange(n) % dim) if contexts else np.zeros(n, np.int64)
+    f_all = freq[ctx, sym].astype(np.uint64)
+    c_all = cum[ctx, sym].astype(np.uint64)
+    bound_all = f_all << np.uint64(32 - prob_bits)
     x = np.full(lanes, STATE_LOW, dtype=np.uint64)
     chunks: list[np.ndarray] = [None] * steps  # type: ignore[list-item]
+    low16, word_bits, p = np.uint64(0xFFFF), np.uint64(WORD_BITS), np.uint64(prob_bits)
     for t in range(steps - 1, -1, -1):
-        a = min(lanes, n - t * lanes)
-        s = sym[t * lanes: t * lanes + a]
-        ctx = lane_ctx[:a]
-        f = freq[ctx, s].astype(np.uint64)
-        c = cum[ctx, s].astype(np.uint64)
+        lo = t * lanes
+        a = min(lanes, n - lo)
+        f = f_all[lo: lo + a]
         xa = x[:a]
-        emit = xa >= (f << np.uint64(32 - prob_bits))
-        chunks[t] = (xa[emit] & np.uint64(0xFFFF)).astype("<u2")
-        xa[emit] >>= np.uint64(WORD_BITS)
-        x[:a] = ((xa // f) << np.uint64(prob_bits)) + (xa % f) + c
+        emit = xa >= bound_all[lo: lo + a]
+        chunks[t] = (xa[emit] & low16).astype("<u2")
+        xa[emit] >>= word_bits
+        q, r = np.divmod(xa, f)
+        x[:a] = (q << p) + r + c_all[lo: lo + a]
     stream = np.concatenate(chunks) if chunks else np.zeros(0, "<u2")
     head = FIXED.pack(MAGIC, VERSION, bits, prob_bits, 1 if contexts else 0, dim, lanes, n, stream.size)
     return b"".join([head, freq.astype("<u2").tobytes(), x.astype("<u4").tobytes(), stream.tobytes()])

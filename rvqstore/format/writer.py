@@ -106,8 +106,7 @@ def _rans_stream(raw: memoryview, geometry: "tuple[int, int] | None") -> bytes |
     if geometry is None:
         return None
     # one table per coordinate pays where coordinates differ (real keys), one table where they do not
-    options = [rans.encode(raw, *geometry, contexts=c) for c in (1, 0)]
-    stored = None if options[0] is None else min(options, key=len)
+    stored = rans.encode_smallest(raw, *geometry)
     if stored is None or len(stored) >= len(raw) or len(raw) > C.MAX_ZSTD_RATIO * len(stored):
         return None
     return stored

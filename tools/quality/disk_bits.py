@@ -118,20 +118,7 @@ def rans_size(codes: np.ndarray, bits: int) -> int:
     4: the affine baselines' 5-bit codes get the same coder's size)."""
     from rvqstore.format import rans
 
-    dim = codes.shape[1]
-    n, k = codes.size, 1 << bits
-    best = None
-    for contexts in (1, 0):
-        hist = (np.stack([np.bincount(codes[:, j], minlength=k) for j in range(dim)]) if contexts
-                else np.bincount(codes.reshape(-1), minlength=k)[None])
-        freq = np.stack([rans.quantize_frequencies(h, rans.WRITER_PROB_BITS) for h in hist])
-        with np.errstate(divide="ignore"):
-            cost = np.where(hist > 0, rans.WRITER_PROB_BITS - np.log2(np.maximum(freq, 1)), 0.0)
-        payload = float(np.sum(hist * cost))
-        lanes = rans.choose_lanes(n, dim, contexts)
-        size = rans.FIXED.size + freq.size * 2 + lanes * 4 + 2 * math.ceil(payload / 16 - lanes) + lanes  # ~1 B/lane flush
-        best = size if best is None else min(best, size)
-    return best
+    return min(rans.estimated_size(codes, bits, contexts) for contexts in (1, 0))
 
 
 def best_from_auto(path: str) -> int:
