@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import struct
 import sys
@@ -451,13 +452,36 @@ def codes_words_full(seed: int, n_vectors: int, dim: int, bits: int) -> list[int
     return out
 
 
-def quantizer(dim: int, bits: tuple[int, int], seed: int, residual: str = "conditional") -> dict:
-    """The map RVQCodec(...).to_header() writes (its tables are data; the decode here is our own)."""
+def quantizer(dim: int, bits: tuple[int, int], seed: int, residual: str = "conditional",
+              step: float | None = None) -> dict:
+    """The map RVQCodec(...).to_header() writes (its tables are data; the decode here is our own).
+    With ``step``, a uniform grid: its tables are checked against :func:`grid_tables` first."""
     from rvqstore import RVQCodec
 
-    q = RVQCodec(dim, bits, seed=seed, residual=residual, use_kernels=False).to_header()
+    q = RVQCodec(dim, bits, seed=seed, residual=residual, use_kernels=False, step=step).to_header()
+    if step is not None:
+        want = grid_tables(*bits, step)
+        got = {"c1": q["centroids1"], "b1": q["boundaries1"]}
+        if bits[1]:
+            got |= {"c2": q["centroids2"], "b2": q["boundaries2"]}
+        assert {k: json.loads(json.dumps(v)) for k, v in got.items()} == want, "grid tables differ from the rule"
     return json.loads(json.dumps({k: v for k, v in q.items() if k != "rotation"})) | {
         "rotation": dict(q["rotation"])}
+
+
+def grid_tables(b1: int, b2: int, step: float) -> dict:
+    """A uniform grid's tables written from its rule alone (spec section 10, "Uniform grids"): points
+    (k - (L-1)/2) * step rounded once to float32, thresholds the float32 midpoints, stage-1 boundaries
+    every 2^b2-th threshold, stage-1 centroids the float32 mean of each cell's points."""
+    f32 = lambda v: struct.unpack("<f", struct.pack("<f", v))[0]  # noqa: E731
+    L, l2 = 1 << (b1 + b2), 1 << b2
+    pts = [f32((k - (L - 1) / 2.0) * step) for k in range(L)]
+    th = [f32((pts[k] + pts[k + 1]) / 2.0) for k in range(L - 1)]
+    if not b2:
+        return {"c1": pts, "b1": th}
+    cells = [pts[i * l2:(i + 1) * l2] for i in range(L // l2)]
+    return {"c1": [f32(math.fsum(c) / l2) for c in cells], "b1": th[l2 - 1::l2], "c2": cells,
+            "b2": [th[i * l2:i * l2 + l2 - 1] for i in range(L // l2)]}
 
 
 def coded_sections(prefix: str, layer: int, q: dict, B: int, H: int, Tq: int, seed: int,
@@ -480,8 +504,8 @@ def coded_sections(prefix: str, layer: int, q: dict, B: int, H: int, Tq: int, se
 
 
 def v_decode(dim: int, bits: tuple[int, int], residual: str, dtypes: tuple[str, str], seed: int,
-             nan_at: int | None = None, T: int = 3, H: int = 2) -> tuple[dict, list[dict]]:
-    q = quantizer(dim, bits, seed, residual)
+             nan_at: int | None = None, T: int = 3, H: int = 2, step: float | None = None) -> tuple[dict, list[dict]]:
+    q = quantizer(dim, bits, seed, residual, step)
     content = {"n_tokens": T, "layers": [layer_map(0, "rvq", 1, H, dim, T, 0, *dtypes)], "quantizer": q,
                "model": None, "metadata": {}}
     secs = [sec("tokens", -1, "tokens", "int32", [T], pack("i", list(range(100, 100 + T))))]
@@ -496,6 +520,8 @@ DECODE_VECTORS = {
     "dim28_4_0_f16.rvq": lambda: v_decode(28, (4, 0), "conditional", ("float16", "float32"), 13),
     "dim40_1_3_shared_f16.rvq": lambda: v_decode(40, (1, 3), "shared", ("float16", "bfloat16"), 14),
     "dim56_3_1_f32.rvq": lambda: v_decode(56, (3, 1), "conditional", ("float32", "float16"), 15, nan_at=0),
+    # a uniform grid (RVQCodec(step=...)): ordinary conditional tables, decoded by the same rules
+    "dim32_grid_3_2_f16.rvq": lambda: v_decode(32, (3, 2), "conditional", ("float16", "float16"), 16, step=0.15),
 }
 
 
