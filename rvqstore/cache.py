@@ -347,11 +347,7 @@ class RVQKVCache:
     def _joint(self) -> bool:
         """Keys and values share a head dim and code alike: encode/decode them in one codec call (half the
         dispatches). Equal bits are not enough: grids of other steps, or a file's tables, differ."""
-        kc, vc = self._keys.codec, self._values.codec
-        memo = self.__dict__.get("_same_codes")
-        if memo is None or memo[0] is not kc or memo[1] is not vc:  # compared once per pair of codecs
-            memo = self._same_codes = (kc, vc, kc.same_code(vc))
-        return self.geometry[2] == self.geometry[3] and memo[2]
+        return self.geometry[2] == self.geometry[3] and self._keys.codec.same_code(self._values.codec)
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         if not self._joint():

@@ -160,6 +160,16 @@ def _setup(codec) -> _Setup | None:
     return s
 
 
+def _served(codec, keys: mx.array, values: mx.array) -> _Setup | None:
+    """The setup where a launch can serve this step (a CUDA device, keys and values alike in shape and
+    dtype, a codec the kernel takes), else None."""
+    if fused.gpu_backend() != "cuda" or not fused._on_gpu():
+        return None
+    if values.dtype != keys.dtype or keys.shape != values.shape or keys.shape[-1] != codec.dim:
+        return None
+    return _setup(codec)
+
+
 _DTYPES = [mx.bfloat16, mx.uint32, mx.uint32, mx.bfloat16, mx.uint32, mx.uint32]
 
 
@@ -202,11 +212,7 @@ def append_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, val
                 cap: int) -> tuple | None:
     """:func:`launch_copy` where the kernel serves the call, else None (then append() and slice
     updates). Its first use (and its first use growing the buffers) is compared with that path."""
-    if fused.gpu_backend() != "cuda" or not fused._on_gpu() or n == 0 or cap > COPY_MAX_TOKENS:
-        return None
-    if values.dtype != keys.dtype or keys.shape != values.shape or keys.shape[-1] != codec.dim:
-        return None
-    s = _setup(codec)
+    s = None if n == 0 or cap > COPY_MAX_TOKENS else _served(codec, keys, values)
     if s is None:
         return None
     grows = cap != key_buffers[0].shape[-1]
@@ -254,11 +260,7 @@ def append(codec, keys: mx.array, values: mx.array, resident: bool = False) -> t
     """``(ks, k1, k2, vs, v1, v2)`` of the new tokens from one launch (``resident``: and their decoded
     keys and values), or None where the kernel does not serve the call (no CUDA device, a
     configuration it does not take, latched off)."""
-    if fused.gpu_backend() != "cuda" or not fused._on_gpu():
-        return None
-    if values.dtype != keys.dtype or keys.shape != values.shape or keys.shape[-1] != codec.dim:
-        return None
-    s = _setup(codec)
+    s = _served(codec, keys, values)
     if s is None:
         return None
     config = s.config(keys.dtype, resident)

@@ -178,6 +178,7 @@ class RVQCodec:
         # compiled once per codec: fewer dispatches per call (what a per-token cache update pays)
         self._rotate_fn = mx.compile(self._rotate_reference)
         self._bounds: dict = {}  # dtype -> max_scale as a float32 array (rotate)
+        self._same: dict[int, tuple["RVQCodec", bool]] = {}  # id(other) -> (other, same_code)
         self._unrotate_fns: dict = {}
         self._quantize_fn = mx.compile(self._quantize_reference)
         self._dequantize_fn = mx.compile(self._dequantize_reference)
@@ -202,13 +203,22 @@ class RVQCodec:
 
     def same_code(self, other: "RVQCodec") -> bool:
         """Whether ``other`` codes and decodes exactly as this codec does (geometry, tables, signs):
-        settings alone do not say it, since tables come from files and grids."""
-        if (self.dim, self.bits, self.residual) != (other.dim, other.bits, other.residual):
-            return False
-        pairs = [(self.signs, other.signs), (self.centroids1, other.centroids1), (self.boundaries1, other.boundaries1)]
-        if self.bits2:
-            pairs += [(self.centroids2, other.centroids2), (self.boundaries2, other.boundaries2)]
-        return all(np.array_equal(a, b) for a, b in pairs)
+        settings alone do not say it, since tables come from files and grids. Remembered per ``other``
+        (caches ask on every append; a codec's tables never change)."""
+        if other is self:
+            return True
+        memo = self._same.get(id(other))
+        if memo is not None and memo[0] is other:
+            return memo[1]
+        same = (self.dim, self.bits, self.residual) == (other.dim, other.bits, other.residual)
+        if same:
+            pairs = [(self.signs, other.signs), (self.centroids1, other.centroids1),
+                     (self.boundaries1, other.boundaries1)]
+            if self.bits2:
+                pairs += [(self.centroids2, other.centroids2), (self.boundaries2, other.boundaries2)]
+            same = all(np.array_equal(a, b) for a, b in pairs)
+        self._same[id(other)] = (other, same)
+        return same
 
     def max_scale(self, dtype: mx.Dtype) -> float:
         """The largest valid scale for vectors decoded to ``dtype`` (see the module docstring)."""

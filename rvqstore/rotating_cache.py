@@ -81,14 +81,6 @@ class RVQRotatingKVCache:
         """Tokens held in the window (sinks included)."""
         return 0 if self._keys is None else self._keys.n
 
-    def _one_code(self) -> bool:
-        """Keys and values code alike (a file may give them different tables): compared once per pair."""
-        kc, vc = self._keys.codec, self._values.codec
-        memo = self.__dict__.get("_same_codes")
-        if memo is None or memo[0] is not kc or memo[1] is not vc:
-            memo = self._same_codes = (kc, vc, kc.same_code(vc))
-        return memo[2]
-
     def _codec(self, dim: int) -> RVQCodec:
         return RVQCodec(dim, self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels, step=self.step)
 
@@ -114,7 +106,8 @@ class RVQRotatingKVCache:
         self._mode.cut(keep, tail)  # resident: the decoded window with the codes
 
     def _encode(self, keys: mx.array, values: mx.array) -> None:
-        if self.geometry[2] == self.geometry[3] and self._one_code():  # one codec call for both sides
+        # one codec call for both sides where they code alike (a file may give them different tables)
+        if self.geometry[2] == self.geometry[3] and self._keys.codec.same_code(self._values.codec):
             b = keys.shape[0]
             enc = self._keys.codec.encode(mx.concatenate([keys, values.astype(keys.dtype)], axis=0),
                                           check_finite=False)
