@@ -64,4 +64,8 @@ def group(name: str, *, dim: int = 64, profile: dict | None = None,
             raise ValueError("--methods grid-alloc needs --profile (tools/probe_sensitivity.py)")
         return [M.grid_allocated(allocate_steps(profile, s), f"grid alloc {s:g}", "grid allocated", dim=dim)
                 for s in (grid_scales or GRID_SCALES)]
+    if name in ("grid+", "grid-alloc+"):  # the grids plus the two codec-state wins (sink token exact, key mean)
+        return [M.variant(m, sink=1, center_keys=True) for m in group(name[:-1], dim=dim, profile=profile,
+                                                                            grid_sides=grid_sides,
+                                                                            grid_scales=grid_scales)]
     raise ValueError(f"unknown method group {name!r}")
