@@ -65,6 +65,17 @@ class Preset:
     key_step: float | None = None
     value_step: float | None = None
     step_scale: float | None = None
+    sink_tokens: int = 0
+    center_keys: bool = False
+
+    def state(self, grid: bool = True) -> dict:
+        """The codec state the preset's caches hold (``RVQKVCache(sink_tokens=, center_keys=)``): the
+        first ``sink_tokens`` positions kept exact and, with ``center_keys``, a per-head key mean taken
+        out before coding. Only the grid forms carry it (their steps are fitted with its bytes counted);
+        the Lloyd–Max forms (``grid=False``) keep their earlier settings, fitted without it."""
+        if not grid or self.key_step is None or not (self.sink_tokens or self.center_keys):
+            return {}
+        return {"sink_tokens": self.sink_tokens, "center_keys": self.center_keys}
 
     def sides(self, grid: bool = True) -> tuple[Side, Side]:
         """(key, value) settings without a profile (``grid=False``: the Lloyd–Max ones)."""
@@ -115,11 +126,12 @@ class Preset:
         from .prompt_cache import make_prompt_cache
 
         (kb, ks), _ = self.sides(grid)
-        caches = make_prompt_cache(model, kb, step=ks, **kwargs)
+        state = self.state(grid)
+        caches = make_prompt_cache(model, kb, step=ks, **state, **kwargs)
         settings = self.layer_settings(len(caches), profile, grid)
         # both sides of a setting are grids or neither (value_step=None would mean "the keys' step")
-        return [RVQKVCache(k[0], value_bits=v[0], step=k[1], value_step=v[1], **kwargs) if type(c) is RVQKVCache else c
-                for c, (k, v) in zip(caches, settings)]
+        return [RVQKVCache(k[0], value_bits=v[0], step=k[1], value_step=v[1], **state, **kwargs)
+                if type(c) is RVQKVCache else c for c, (k, v) in zip(caches, settings)]
 
 
 # Budgets are on disk. Each preset keeps its Lloyd–Max settings (key_bits/value_bits, alloc_target: the

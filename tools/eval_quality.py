@@ -15,7 +15,7 @@ tuning texts; a text kept aside (named ``held...``) is reported separately and n
         [--profile tools/results/quality-sensitivity-smollm2.json]
         [--runs tools/results/quality-runs] [--json tools/results/quality-smollm2.json]
         [--out docs] [--from-json FILE [--attach-disk] [--precise-json FILE]] [--fit BUDGETS]
-        [--grid-sides K:V,... --grid-scales S,...] [--fit-grid BUDGETS [--grid-key-ratio 0.38]]
+        [--grid-sides K:V,... --grid-scales S,...] [--fit-grid BUDGETS [--grid-key-ratio 0.38] [--sink 1 --center-keys]]
 
 Runs already in ``--runs`` are reused (a long evaluation resumes). Needs matplotlib for the plot.
 """
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quality import catalog  # noqa: E402
 from quality import protocol as P  # noqa: E402
-from quality.disk_bits import AFFINE_MODES, bits_on_disk, file_form, summarize_disk  # noqa: E402
+from quality.disk_bits import AFFINE_MODES, bits_on_disk, file_form, state_measured, summarize_disk  # noqa: E402
 from quality.methods import Method  # noqa: E402
 from quality.metrics import summarize  # noqa: E402
 from quality.store import RunStore  # noqa: E402
@@ -48,8 +48,10 @@ def _key(model_name: str, t: Text, n_tokens: int, proto: str, chunk: int, m: Met
 
 
 def _disk_key(model_name: str, t: Text, n_tokens: int, m: Method) -> dict:
-    return {"model": model_name, "text": t.name, "path": t.path.name, "tokens": n_tokens, "method": m.name,
-            "disk": 1}
+    key = {"model": model_name, "text": t.name, "path": t.path.name, "tokens": n_tokens, "method": m.name, "disk": 1}
+    if not state_measured(m):  # codec state estimated before the cache held it: never mistaken for a real file
+        key["estimated"] = 1
+    return key
 
 
 def disk_bits(model: Any, tokenizer: Any, t: Text, ids: list[int], m: Method, n_tokens: int, store: RunStore,
@@ -123,6 +125,8 @@ def evaluate(model: Any, tokenizer: Any, texts: Sequence[Text], methods: Sequenc
                 row["pooled"]["v_err"] = sum(runs[t.name].v_err for t in tuning) / len(tuning)
             if m.name in disk:
                 row["disk"] = summarize_disk(disk[m.name], [t.name for t in tuning])
+                if not state_measured(m):
+                    row["disk"]["estimated"] = True
             rows.append(row)
     return {"rows": rows, "texts": [{"name": t.name, "file": t.path.name, "held_aside": t.held_aside} for t in texts],
             "n_tokens": n_tokens, "n_layers": n_layers, "protocols": list(protocols), "chunk": chunk,
@@ -193,22 +197,35 @@ def fit_grids(args: argparse.Namespace, model: Any, tokenizer: Any, texts: Seque
     from quality.allocate import allocate_steps
     from quality.fit import fit_grid
 
+    from quality.disk_bits import state_measured
+
     halves = [load_tokens(tokenizer, t, args.tokens)[:args.tokens // 2] for t in texts if not t.held_aside]
     ratio = args.grid_key_ratio
+    state = {"sink": args.sink, "center_keys": args.center_keys}
+
+    def with_state(m: Method) -> Method:  # the codec state (sink tokens, key mean), counted in the files
+        return M.variant(m, **state) if args.sink or args.center_keys else m
+
     out = {"tokens": args.tokens, "cached_tokens": args.tokens // 2, "texts": [t.name for t in texts if not t.held_aside],
-           "profile": args.profile, "key_ratio": ratio, "sides": [], "alloc": [], "argv": " ".join(sys.argv[1:])}
+           "profile": args.profile, "key_ratio": ratio, **state, "sides": [], "alloc": [], "argv": " ".join(sys.argv[1:])}
     # first guesses from the study (tools/results/quality-ecsq-study.md): value step / scale per budget
     guess = {3.0: (0.96, 0.42), 4.5: (0.31, 0.145), 6.0: (0.12, 0.05)}
+    if args.guess:
+        guess = {float(b): tuple(float(x) for x in g.split(":"))
+                 for b, g in zip(args.fit_grid.split(","), args.guess.split(","))}
     for b in (float(x) for x in args.fit_grid.split(",")):
         g = guess.get(b, (0.3, 0.3))
-        side = fit_grid(model, tokenizer, halves, lambda v: M.grid_per_side(float(f"{v * ratio:.4g}"), v, "grid per side",
-                                                                            dim=dim), b, g[0], log=log)
+        side = fit_grid(model, tokenizer, halves, lambda v: with_state(M.grid_per_side(float(f"{v * ratio:.4g}"), v,
+                                                                                       "grid per side", dim=dim)),
+                        b, g[0], log=log)
         side["key_step"], side["value_step"] = float(f"{side['param'] * ratio:.4g}"), side["param"]
+        side["measured"] = state_measured(with_state(M.grid_per_side(1.0, 1.0, "x", dim=dim)))
         out["sides"].append(side)
         log(f"budget {b:g}: grid K s{side['key_step']:g} / V s{side['value_step']:g} -> {max(side['disk']):.3f}")
         if profile is not None:
-            al = fit_grid(model, tokenizer, halves, lambda c: M.grid_allocated(allocate_steps(profile, c), f"grid alloc {c:g}",
-                                                                               "grid allocated", dim=dim), b, g[1], log=log)
+            al = fit_grid(model, tokenizer, halves, lambda c: with_state(M.grid_allocated(
+                allocate_steps(profile, c), f"grid alloc {c:g}", "grid allocated", dim=dim)), b, g[1], log=log)
+            al["measured"] = side["measured"]
             out["alloc"].append(al)
             log(f"budget {b:g}: grid alloc {al['param']:g} -> {max(al['disk']):.3f}")
         if args.json:
@@ -268,6 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "grid allocation's scale to each (files saved with compress=best)")
     ap.add_argument("--grid-key-ratio", type=float, default=0.38,
                     help="--fit-grid: key step / value step of the per-side grid (the study's optimum: 0.35-0.4)")
+    ap.add_argument("--sink", type=int, default=0,
+                    help="--fit-grid: keep this many first tokens exact (codec state, counted in the files)")
+    ap.add_argument("--center-keys", action="store_true",
+                    help="--fit-grid: subtract a per-head key mean before coding (codec state, counted in the files)")
+    ap.add_argument("--guess", default=None, metavar="V:S,...",
+                    help="--fit-grid: first (value step, allocation scale) per budget (default: the study's)")
     ap.add_argument("--runs", default=None, help="folder of per-run results to reuse and extend")
     ap.add_argument("--stored-only", action="store_true",
                     help="report only methods whose runs are all in --runs (nothing is computed)")

@@ -15,7 +15,13 @@ file container around them, e.g. a safetensors header, is not counted: that favo
 ``best`` gives the codes the smaller of that and the size our rANS coder would reach on them (one
 frequency table per head-dim column, :func:`rans_size`: like for like with our ``best`` files).
 
-Methods with evaluation-only codec state (sink tokens, key means) have no file form: ``None``.
+Methods with codec state (``Method.sink`` tokens kept exact, ``Method.center_keys``: a per-head key mean,
+docs/design: format 1.2 ``codec-state``) are saved by caches that hold that state
+(``RVQKVCache(sink_tokens=, center_keys=)``) where the library has it. Before it did, their size was
+**estimated** (:func:`state_estimate`): the file of the coded tokens alone (the keys and values the
+method's own prefill hands the cache, less the sink tokens, keys less the mean) plus the state's sections
+as the writer stores them (bytes, zstd rule, alignment, header entries, layer keys). ``state_measured``
+says which one a figure is; the evaluation keeps the two apart (they are stored under different keys).
 """
 
 from __future__ import annotations
@@ -42,12 +48,10 @@ LIKE = {"none": "raw", "auto": "zstd", "best": "best"}
 
 def file_form(m: Method, n_layers: int) -> str | None:
     """"rvq", "affine" or None (no saved form)."""
-    if m.sink or m.center_keys:
-        return None
     qs = [m.plan(layer, side) for layer in range(n_layers) for side in SIDES]
     if all(q.rvq_bits is not None for q in qs):
         return "rvq"
-    if all(q.affine is not None for q in qs):
+    if all(q.affine is not None for q in qs) and not (m.sink or m.center_keys):
         return "affine"
     return None
 
@@ -58,34 +62,130 @@ def _prefill(model: Any, ids: Sequence[int], caches: list) -> None:
         mx.eval(model(x[:, s:s + 512], cache=caches))
 
 
-def rvq_bits_on_disk(model: Any, tokenizer: Any, ids: Sequence[int], m: Method,
-                     modes: Sequence[str] = RVQ_MODES) -> dict[str, float]:
-    """{compress mode: bits per coordinate of the saved file} for an RVQ method."""
-    from rvqstore import RVQKVCache, save_prompt_cache
+def has_state(m: Method) -> bool:
+    return bool(m.sink or m.center_keys)
 
-    n_layers = len(model.layers)
-    caches = []
-    for layer in range(n_layers):
-        k, v = m.plan(layer, "k"), m.plan(layer, "v")
-        if k.step is None and v.step is None:
-            caches.append(RVQKVCache(k.rvq_bits, value_bits=v.rvq_bits))
-        else:
-            caches.append(_grid_cache(k.rvq_bits, v.rvq_bits, k.step, v.step))
-    _prefill(model, ids, caches)
-    n_coords = n_layers * len(ids) * model.args.num_key_value_heads * _head_dim(model) * 2
+
+def cache_holds_state() -> bool:
+    """True when ``RVQKVCache`` takes ``sink_tokens`` / ``center_keys`` (the codec-state feature)."""
+    import inspect
+
+    from rvqstore import RVQKVCache
+
+    params = inspect.signature(RVQKVCache.__init__).parameters
+    return "sink_tokens" in params and "center_keys" in params
+
+
+def state_measured(m: Method) -> bool:
+    """Whether ``m``'s file sizes are real files (False: :func:`state_estimate`)."""
+    return not has_state(m) or cache_holds_state()
+
+
+def _cache_for(m: Method, layer: int, **state: Any):
+    from rvqstore import RVQKVCache
+
+    k, v = m.plan(layer, "k"), m.plan(layer, "v")
+    if k.step is None and v.step is None:
+        return RVQKVCache(k.rvq_bits, value_bits=v.rvq_bits, **state)
+    return _grid_cache(k.rvq_bits, v.rvq_bits, k.step, v.step, **state)
+
+
+def _save_sizes(path_dir: str, caches: list, ids: Sequence[int], model: Any, tokenizer: Any,
+                modes: Sequence[str]) -> dict[str, int]:
+    """{mode: file bytes} of ``caches`` saved with each compress mode (ESTIMATED_BEST: from "auto")."""
+    from rvqstore import save_prompt_cache
+
     out = {}
-    with tempfile.TemporaryDirectory() as d:
-        for mode in modes:
-            path = os.path.join(d, f"{mode}.rvq")
-            size = save_prompt_cache(path, caches, tokens=ids, model=model, tokenizer=tokenizer,
-                                     compress="auto" if mode == ESTIMATED_BEST else mode)
-            if size != os.path.getsize(path):
-                raise RuntimeError("save_prompt_cache's returned size is not the file's")
-            out[mode] = (best_from_auto(path) if mode == ESTIMATED_BEST else size) * 8 / n_coords
+    for mode in modes:
+        path = os.path.join(path_dir, f"{mode}.rvq")
+        size = save_prompt_cache(path, caches, tokens=ids, model=model, tokenizer=tokenizer,
+                                 compress="auto" if mode == ESTIMATED_BEST else mode)
+        if size != os.path.getsize(path):
+            raise RuntimeError("save_prompt_cache's returned size is not the file's")
+        out[mode] = best_from_auto(path) if mode == ESTIMATED_BEST else size
     return out
 
 
-def _grid_cache(key_bits, value_bits, key_step, value_step):
+def rvq_bits_on_disk(model: Any, tokenizer: Any, ids: Sequence[int], m: Method,
+                     modes: Sequence[str] = RVQ_MODES) -> dict[str, float]:
+    """{compress mode: bits per coordinate of the saved file} for an RVQ method (with codec state: the
+    real file where the cache holds state, else :func:`state_estimate`)."""
+    n_layers = len(model.layers)
+    n_coords = n_layers * len(ids) * model.args.num_key_value_heads * _head_dim(model) * 2
+    if has_state(m) and not cache_holds_state():
+        return {mode: b * 8 / n_coords for mode, b in state_estimate(model, tokenizer, ids, m, modes).items()}
+    state = {"sink_tokens": m.sink, "center_keys": m.center_keys} if has_state(m) else {}
+    caches = [_cache_for(m, layer, **state) for layer in range(n_layers)]
+    _prefill(model, ids, caches)
+    with tempfile.TemporaryDirectory() as d:
+        return {mode: b * 8 / n_coords for mode, b in _save_sizes(d, caches, ids, model, tokenizer, modes).items()}
+
+
+# what the state adds to a layer's header map: "center_keys": true, "sink_tokens": S (msgpack), and the
+# feature's name once in required_features
+_STATE_LAYER_KEYS = {"center_keys": True, "sink_tokens": 1}
+STATE_FEATURE = "codec-state"
+
+
+def _entry_bytes(name: str, layer: int, kind: str, dtype: str, shape: list[int], length: int, codec: str) -> int:
+    """Bytes a section's row adds to the msgpack header (as the writer builds it)."""
+    from rvqstore.format.header import encode_header
+
+    row = {"name": name, "layer": layer, "kind": kind, "dtype": dtype, "shape": shape, "offset": 2 ** 31,
+           "length": length, "codec": codec, "raw_length": length, "checksum": 2 ** 63}
+    return len(encode_header({"sections": [row, row]})) - len(encode_header({"sections": [row]}))
+
+
+def state_sections_bytes(arrays: dict[str, np.ndarray], layer: int) -> int:
+    """Bytes the state sections of one layer add to a file: each array stored as the writer's auto rule
+    stores it (zstd frame when it saves >= 2%), its 64-byte alignment (half of it, on average), its
+    header row, and the layer map's two keys."""
+    from rvqstore.format.header import encode_header
+
+    total = len(encode_header(_STATE_LAYER_KEYS)) - 1  # the map's own prefix is already there
+    for kind, a in arrays.items():
+        stored = _zstd_np(a)
+        codec = "zstd" if stored < a.nbytes else "raw"
+        total += stored + 32 + _entry_bytes(f"layers.{layer}.{kind}", layer, kind, str(a.dtype), list(a.shape),
+                                            stored, codec)
+    return total
+
+
+def state_estimate(model: Any, tokenizer: Any, ids: Sequence[int], m: Method,
+                   modes: Sequence[str] = RVQ_MODES) -> dict[str, int]:
+    """{mode: bytes} of the file a cache with ``m``'s state would write, before the cache held state:
+    the method's own prefill (the simulated cache: what the model hands each layer's cache) captured;
+    per layer, a stateless cache of the method's codecs fed the coded tokens exactly as the state cache
+    codes them (the first ``m.sink`` positions left out, keys less the layer's float16 key mean) and
+    saved (token ids of the coded positions); plus the sink positions' ids (int32), the state sections
+    (:func:`state_sections_bytes`: keys.sink / values.sink float16 ``(B, H, S, D)``, keys.mean float16
+    ``(B, H, D)``) and the feature's name. Checked against real files: docs/quality.md."""
+    from rvqstore.format.header import encode_header
+
+    n_layers = len(model.layers)
+    seen = [_Capture(layer, m) for layer in range(n_layers)]
+    _prefill(model, ids, seen)
+    s = min(m.sink, len(ids))
+    caches, extra = [], 4 * s + len(encode_header([STATE_FEATURE])) - 1
+    for layer, c in enumerate(seen):
+        k = mx.concatenate(c.seen["k"], axis=2).astype(mx.float32)
+        v = mx.concatenate(c.seen["v"], axis=2).astype(mx.float32)
+        body_k = k[:, :, s:] - c.key_mean if m.center_keys else k[:, :, s:]
+        cache = _cache_for(m, layer)
+        mx.eval(cache.update_and_fetch(body_k, v[:, :, s:]))
+        caches.append(cache)
+        state = {}
+        if s:
+            state["keys.sink"] = np.asarray(k[:, :, :s].astype(mx.float16))
+            state["values.sink"] = np.asarray(v[:, :, :s].astype(mx.float16))
+        if m.center_keys:
+            state["keys.mean"] = np.asarray(c.key_mean[:, :, 0].astype(mx.float16))
+        extra += state_sections_bytes(state, layer)
+    with tempfile.TemporaryDirectory() as d:
+        return {mode: b + extra for mode, b in _save_sizes(d, caches, list(ids)[s:], model, tokenizer, modes).items()}
+
+
+def _grid_cache(key_bits, value_bits, key_step, value_step, **state):
     """An RVQKVCache on uniform grids: ``RVQKVCache(step=, value_step=)`` where the library has it,
     else (while the cache's own plumbing lands) one whose two codecs are built with the steps."""
     import inspect
@@ -93,7 +193,7 @@ def _grid_cache(key_bits, value_bits, key_step, value_step):
     from rvqstore import RVQCodec, RVQKVCache
 
     if "value_step" in inspect.signature(RVQKVCache.__init__).parameters:
-        return RVQKVCache(key_bits, value_bits=value_bits, step=key_step, value_step=value_step)
+        return RVQKVCache(key_bits, value_bits=value_bits, step=key_step, value_step=value_step, **state)
 
     class GridCache(RVQKVCache):
         def _codec(self, dim, bits=None):  # bits None: the key codec (RVQKVCache._init_geometry)
@@ -156,12 +256,15 @@ class _Capture(SimCache):
 
 def _zstd_bytes(a: mx.array) -> int:
     """Bytes of one array under the writer's auto rule: a zstd frame where it saves >= 2 %, else raw."""
-    import numpy as np
+    return _zstd_np(np.asarray(a))
+
+
+def _zstd_np(a: np.ndarray) -> int:
     import zstandard
 
     from rvqstore.format.writer import AUTO_MIN_SAVING, ZSTD_LEVEL
 
-    raw = np.asarray(a).tobytes()
+    raw = a.tobytes()
     frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True, write_checksum=False).compress(raw)
     return len(frame) if len(frame) <= (1.0 - AUTO_MIN_SAVING) * len(raw) else len(raw)
 

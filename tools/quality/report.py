@@ -30,7 +30,12 @@ def _disk_cell(r: dict) -> str:
     d, b = on_disk(r), on_disk(r, "best")
     if d is None:
         return "–"
-    return f"{d:.2f}" + (f" / {b:.2f}" if b is not None else "")
+    return _est(r) + f"{d:.2f}" + (f" / {b:.2f}" if b is not None else "")
+
+
+def _est(r: dict) -> str:
+    """"≈" before on-disk figures estimated for codec state the cache did not hold yet (disk_bits.state_estimate)."""
+    return "≈" if r.get("disk", {}).get("estimated") else ""
 
 
 def rows_of(res: dict, protocol: str) -> list[dict]:
@@ -80,6 +85,11 @@ def preset_rows(name: str) -> list[tuple[str, str, str]]:
             side = f"grid K s{ks:g} / V s{vs:g}"
         alloc = f"grid alloc {p.step_scale:g}" if grid and p.step_scale is not None else f"RVQ alloc {p.alloc_target:g}"
         tag = "" if grid or p.key_step is None else ", Lloyd–Max: grid=False"
+        st = p.state(grid)  # the evaluation names a method with codec state as quality.methods.variant does
+        tags = (["+mean K"] if st.get("center_keys") else []) + ([f"+sink {st['sink_tokens']}"] if st.get("sink_tokens") else [])
+        if tags:
+            side, alloc = f"{side} {' '.join(tags)}", f"{alloc} {' '.join(tags)}"
+            tag += ", sink token exact + key mean"
         out += [(f"per side{tag}", side, p.compress(None, grid)),
                 (f"per layer+side, profile{tag}", alloc, p.compress("profile", grid))]
     return out
@@ -116,7 +126,7 @@ def goals_table(res: dict, protocol: str = "half") -> list[str]:
             beaten = [x for x in rivals if all(r["texts"][n]["tok_kl"] < x["texts"][n]["tok_kl"] for n in names)]
             goal = f"≤ {kl_goal:g}" + (f", Δppl ≤ +{100 * ppl_goal:g}%" if ppl_goal else "")
             auto = on_disk(r, "auto", stat="max")
-            cells = [f"{preset} ({label})", f"`{name}`", f"{r['bits']:.2f}", f"{disk_max:.3f} (≤ {budget:g}), {mode}",
+            cells = [f"{preset} ({label})", f"`{name}`", f"{r['bits']:.2f}", f"{_est(r)}{disk_max:.3f} (≤ {budget:g}), {mode}",
                      f"{auto:.3f}" if auto is not None else "–", f"{_e(p['tok_kl'])} ({goal})", _pct(p)]
             for h in held:
                 hd = on_disk(r, mode, text=h)
