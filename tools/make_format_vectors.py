@@ -598,9 +598,11 @@ def features_of(content: dict) -> list[str]:
                 used.add("layer-kinds")
             if "value_head_dim" in r:
                 used.add("per-side-geometry")
+            if "sink_tokens" in r or "center_keys" in r:
+                used.add("codec-state")
     if "quantizers" in content:
         used.add("quantizer-table")
-    return [f for f in ("per-side-geometry", "quantizer-table", "layer-kinds") if f in used]
+    return [f for f in ("per-side-geometry", "quantizer-table", "layer-kinds", "codec-state") if f in used]
 
 
 def assemble_11(content: dict, secs: list[dict], **kw) -> bytes:
@@ -625,6 +627,93 @@ def v_dense_with_quantizer() -> tuple[dict, list[dict]]:
     return dict(content, quantizer=Q_DIM12_3_0), secs
 
 
+# ---- revision 1.2: codec state (sink positions kept exact, a per-head key mean), spec 8.2 -----------------------
+def state_bytes(dtype: str, seed: int, n: int, scale: float = 1.0) -> bytes:
+    """``n`` values of ``dtype`` (float16 / bfloat16 / float32): the [-2, 2) draws of f16_values times
+    ``scale``, rounded once to the dtype."""
+    vals = [f32(v * scale) for v in f16_values(seed, n)]
+    if dtype == "float16":
+        return pack("e", vals)
+    if dtype == "bfloat16":
+        return pack("H", bf16_bits(vals))
+    return pack("f", vals)
+
+
+def state_sections(prefix: str, layer: int, B: int, H: int, D: int, Dv: int, S: int, mean: bool, seed: int,
+                   dtypes: tuple[str, str, str], mean_scale: float = 1.0) -> list[dict]:
+    """``keys.sink``, ``values.sink`` (if S > 0) and ``keys.mean`` (if ``mean``), named ``layers.<layer>.<prefix>``."""
+    kd, vd, md = dtypes
+    out = []
+    if S:
+        out.append(sec(f"layers.{layer}.{prefix}keys.sink", layer, f"{prefix}keys.sink", kd, [B, H, S, D],
+                       state_bytes(kd, seed, B * H * S * D, 3.0)))
+        out.append(sec(f"layers.{layer}.{prefix}values.sink", layer, f"{prefix}values.sink", vd, [B, H, S, Dv],
+                       state_bytes(vd, seed + 1, B * H * S * Dv, 3.0)))
+    if mean:
+        out.append(sec(f"layers.{layer}.{prefix}keys.mean", layer, f"{prefix}keys.mean", md, [B, H, D],
+                       state_bytes(md, seed + 2, B * H * D, mean_scale)))
+    return out
+
+
+def v_codec_state() -> tuple[dict, list[dict]]:
+    """One rvq layer (float16, 2 heads, dim 20, 2+2 bits): 6 tokens = 2 sink positions + 3 coded + 1 dense;
+    keys centered (a float16 mean per head); one NaN key scale (its vector decodes to NaN, mean or not)."""
+    q = quantizer(20, (2, 2), 41)
+    B, H, D, T, S, Td = 1, 2, 20, 6, 2, 1
+    Tq = T - S - Td
+    content = {"n_tokens": T, "quantizer": q, "model": None, "metadata": {},
+               "layers": [att_map(0, "rvq", B, H, D, T, Td, "float16", "float16", sink_tokens=S, center_keys=True)]}
+    secs = [sec("tokens", -1, "tokens", "int32", [T], pack("i", [1, 500, 501, 502, 503, 504]))]
+    secs += coded_sections("keys", 0, q, B, H, Tq, 410, nan_at=4) + coded_sections("values", 0, q, B, H, Tq, 415)
+    secs += [sec("layers.0.keys.dense", 0, "keys.dense", "float16", [B, H, Td, D], dense_bytes("float16", 416, B * H * Td * D)),
+             sec("layers.0.values.dense", 0, "values.dense", "float16", [B, H, Td, D],
+                 dense_bytes("float16", 417, B * H * Td * D))]
+    secs += state_sections("", 0, B, H, D, D, S, True, 418, ("float16", "float16", "float16"))
+    return content, secs
+
+
+def v_codec_state_layers() -> tuple[dict, list[dict]]:
+    """Codec state on every layer shape it can take (dim 24, 2+1 bits, 5 tokens, one head):
+    0: bfloat16, one sink position (keys.sink bfloat16, values.sink float32: each array has its own dtype), no mean;
+    1: float32, no sink, keys centered by a float32 mean of magnitude ~1000 (the float32 sum rounds);
+    2: float16, sink_tokens 8 > n_tokens: all 5 positions are sinks, nothing coded, so no mean although centered;
+    3: a list layer whose rvq child has a sink position, a dense tail and a mean, beside a recurrent state."""
+    q = quantizer(24, (2, 1), 42)
+    T, D = 5, 24
+    child = att_map(0, "rvq", 1, 1, D, T, 1, "float16", "float16", sink_tokens=1, center_keys=True)
+    content = {"n_tokens": T, "quantizer": q, "model": None, "metadata": {},
+               "layers": [att_map(0, "rvq", 1, 1, D, T, 0, "bfloat16", "bfloat16", sink_tokens=1),
+                          att_map(1, "rvq", 1, 1, D, T, 0, "float32", "float32", center_keys=True),
+                          att_map(2, "rvq", 1, 1, D, T, 0, "float16", "float16", sink_tokens=8, center_keys=True),
+                          {"index": 3, "kind": "list", "n_tokens": T,
+                           "children": [child, {"index": 1, "kind": "arrays", "n_tokens": T, "n_arrays": 1}]}]}
+    secs = [sec("tokens", -1, "tokens", "int32", [T], pack("i", [7, 8, 9, 10, 11]))]
+    secs += coded_sections("keys", 0, q, 1, 1, 4, 420) + coded_sections("values", 0, q, 1, 1, 4, 421)
+    secs += state_sections("", 0, 1, 1, D, D, 1, False, 422, ("bfloat16", "float32", ""))
+    secs += coded_sections("keys", 1, q, 1, 1, 5, 430) + coded_sections("values", 1, q, 1, 1, 5, 431)
+    secs += state_sections("", 1, 1, 1, D, D, 0, True, 432, ("", "", "float32"), mean_scale=517.3)
+    secs += coded_sections("keys", 2, q, 1, 1, 0, 440) + coded_sections("values", 2, q, 1, 1, 0, 441)
+    secs += state_sections("", 2, 1, 1, D, D, 5, False, 442, ("float16", "float16", ""))
+    secs += coded_sections("c0.keys", 3, q, 1, 1, 3, 450) + coded_sections("c0.values", 3, q, 1, 1, 3, 451)
+    secs += [sec("layers.3.c0.keys.dense", 3, "c0.keys.dense", "float16", [1, 1, 1, D], dense_bytes("float16", 452, D)),
+             sec("layers.3.c0.values.dense", 3, "c0.values.dense", "float16", [1, 1, 1, D], dense_bytes("float16", 453, D))]
+    secs += state_sections("c0.", 3, 1, 1, D, D, 1, True, 454, ("float16", "float16", "bfloat16"))
+    secs += [sec("layers.3.c1.state.0", 3, "c1.state.0", "float32", [1, 4], dense_bytes("float32", 455, 4))]
+    return content, secs
+
+
+def assemble_12(content: dict, secs: list[dict], **kw) -> bytes:
+    kw.setdefault("features", features_of(content))
+    kw.setdefault("minor", 2)
+    return assemble(content, secs, **kw)
+
+
+V12 = {
+    "codec_state.rvq": v_codec_state,
+    "codec_state_layers.rvq": v_codec_state_layers,
+}
+
+
 V11 = {
     "rotating_window.rvq": v_rotating,
     "arrays_state.rvq": v_arrays,
@@ -647,6 +736,7 @@ VALID: dict[str, Callable[[], bytes]] = {
     "settled_rules.rvq": lambda: assemble(*v_settled()),
     "dense_with_quantizer.rvq": lambda: assemble(*v_dense_with_quantizer()),
     "entropy_coded.rvq": lambda: assemble(*v_entropy_coded(), minor=1, features=["entropy-coded"]),
+    **{name: (lambda b=b: assemble_12(*b())) for name, b in V12.items()},
 }
 
 #: Valid vectors the library writer must reproduce byte for byte (raw codecs only), with its inputs.
@@ -659,6 +749,7 @@ WRITER_EQUIVALENT = {
     "zero_tokens.rvq": v_zero_tokens,
     **DECODE_VECTORS,
     **V11,
+    **V12,
 }
 
 
@@ -832,7 +923,11 @@ def expected_json(data: bytes) -> dict:
         sections[e["name"]] = {"kind": e["kind"], "layer": e["layer"], "dtype": e["dtype"], "shape": e["shape"],
                                "codec": e["codec"], "values": values}
     decoded = _decoded(header, sections)
+    extra = {}
+    if "codec-state" in header["required_features"]:  # revision 1.2: every position of every rvq layer
+        extra["decoded_positions"] = _decoded_positions(header, sections, decoded)
     return {
+        **extra,
         "decoded": decoded,
         "format_version": [pre[1], pre[2]],
         "file_length": len(data),
@@ -871,6 +966,70 @@ def _decoded(header: dict, sections: dict) -> dict:
                     bits += decode_reference(q, sc[v], c1[v * w1:(v + 1) * w1],
                                              None if c2 is None else c2[v * w2:(v + 1) * w2], dtype)
                 out[base] = {"dtype": dtype, "shape": sections[f"{base}.scales"]["shape"] + [dim], "bits": bits}
+    return out
+
+
+def _exact(v: float | int, dtype: str) -> Fraction | None:
+    """The exact value of one section element as expected_json lists it (None for NaN)."""
+    if dtype == "bfloat16":
+        v = struct.unpack("<f", struct.pack("<I", v << 16))[0]
+    assert not math.isinf(v), "the vectors hold no infinite state values"
+    return None if math.isnan(v) else Fraction(v)
+
+
+def _bits_value(bits: int, dtype: str) -> float:
+    if dtype == "float32":
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    if dtype == "float16":
+        return struct.unpack("<e", struct.pack("<H", bits))[0]
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+
+def _decoded_positions(header: dict, sections: dict, decoded: dict) -> dict:
+    """Keys and values of every position of every rvq layer, in token order (spec 8.2): sink positions
+    ``dtype(sink)``; coded positions the reference ``dec`` of section 10, and for keys of a centering
+    layer ``key_dtype(float32(dec) + float32(mean))``, the float32 sum rounded exactly here; dense
+    positions as stored.  Bit patterns of the side's dtype, shape ``[B, H, T, dim]``."""
+    out = {}
+    for row in header["layers"]:
+        subs = [(f"c{j}.", c) for j, c in enumerate(row.get("children", []))] or [("", row)]
+        for prefix, lm in subs:
+            if lm["kind"] != "rvq":
+                continue
+            base = f"layers.{row['index']}.{prefix}"
+            B, H, T, Td = lm["batch"], lm["n_kv_heads"], lm["n_tokens"], lm["n_dense_tokens"]
+            S = min(T, lm.get("sink_tokens", 0))
+            Tq = T - S - Td
+            mean = sections.get(f"{base}keys.mean")
+            entry = {}
+            for side in ("keys", "values"):
+                dtype = lm["key_dtype" if side == "keys" else "value_dtype"]
+                dim = lm["head_dim"] if side == "keys" else lm.get("value_head_dim", lm["head_dim"])
+                sink, dense = sections.get(f"{base}{side}.sink"), sections.get(f"{base}{side}.dense")
+                dec = decoded[f"{base}{side}"]["bits"]
+                bits = []
+                for bh in range(B * H):
+                    for t in range(T):
+                        for c in range(dim):
+                            if t < S:
+                                x = _exact(sink["values"][(bh * S + t) * dim + c], sink["dtype"])
+                                bits.append(NAN_BITS[dtype] if x is None else round_fraction(x, dtype))
+                            elif t < S + Tq:
+                                d = dec[(bh * Tq + t - S) * dim + c]
+                                if side == "values" or mean is None:
+                                    bits.append(d)
+                                    continue
+                                dv, m = _bits_value(d, dtype), _exact(mean["values"][bh * dim + c], mean["dtype"])
+                                if math.isnan(dv) or m is None:
+                                    bits.append(NAN_BITS[dtype])
+                                    continue
+                                s32 = _bits_value(round_fraction(Fraction(dv) + m, "float32"), "float32")
+                                bits.append(round_fraction(Fraction(s32), dtype))
+                            else:
+                                v = dense["values"][(bh * Td + t - S - Tq) * dim + c]
+                                bits.append(v if dtype == "bfloat16" else round_fraction(Fraction(v), dtype))
+                entry[side] = {"dtype": dtype, "shape": [B, H, T, dim], "bits": bits}
+            out[f"layers.{row['index']}" + (f".{prefix[:-1]}" if prefix else "")] = entry
     return out
 
 
@@ -1221,6 +1380,53 @@ def _invalid() -> list[tuple[str, str, str, str, Callable[[], bytes]]]:
         ("list_in_list.rvq", "MalformedHeaderError", "open", "a child of a list layer is itself a list",
          lambda: assemble_11(*v_list(), edit_header=lambda h: h["layers"][0]["children"].__setitem__(
              1, {"index": 1, "kind": "list", "n_tokens": 2, "children": []}))),
+        # -- revision 1.2: codec state
+        ("codec_state_sink_missing.rvq", "MalformedHeaderError", "open",
+         "sink_tokens 2 on a 6-token layer but no 'values.sink' section",
+         lambda: _state_edit(lambda c, ss: ss.pop(_kind_at(ss, "values.sink")))),
+        ("codec_state_sink_unexpected.rvq", "MalformedHeaderError", "open",
+         "a 'keys.sink' section on a layer whose sink_tokens is 0 (layer 1 of codec_state_layers)",
+         lambda: _state_layers_edit(lambda c, ss: ss.insert(_kind_at(ss, "keys.mean", 1) + 1, sec(
+             "layers.1.keys.sink", 1, "keys.sink", "float32", [1, 1, 1, 24], state_bytes("float32", 9, 24))))),
+        ("codec_state_wrong_sink_count.rvq", "MalformedHeaderError", "open",
+         "keys.sink and values.sink hold 1 position where min(n_tokens, sink_tokens) is 2",
+         lambda: _state_edit(_one_sink_position)),
+        ("codec_state_dense_overlaps_sink.rvq", "MalformedHeaderError", "open",
+         "n_dense_tokens 5 with 2 sink positions in a 6-token layer",
+         lambda: _state_edit(lambda c, ss: c["layers"][0].update(n_dense_tokens=5))),
+        ("codec_state_mean_without_centering.rvq", "MalformedHeaderError", "open",
+         "a 'keys.mean' section on a layer without center_keys",
+         lambda: _state_edit(lambda c, ss: c["layers"][0].pop("center_keys"))),
+        ("codec_state_mean_missing.rvq", "MalformedHeaderError", "open",
+         "center_keys with 3 coded positions but no 'keys.mean' section",
+         lambda: _state_edit(lambda c, ss: ss.pop(_kind_at(ss, "keys.mean")))),
+        ("codec_state_mean_without_codes.rvq", "MalformedHeaderError", "open",
+         "a 'keys.mean' section on a centering layer whose positions are all sinks (nothing coded)",
+         lambda: _state_layers_edit(lambda c, ss: ss.insert(_kind_at(ss, "values.sink", 2) + 1, sec(
+             "layers.2.keys.mean", 2, "keys.mean", "float16", [1, 1, 24], state_bytes("float16", 9, 24))))),
+        ("codec_state_mean_shape.rvq", "MalformedHeaderError", "open",
+         "keys.mean of shape [1, 2, 1, 20] instead of [B, H, Dk] = [1, 2, 20]",
+         lambda: _state_edit(lambda c, ss: ss[_kind_at(ss, "keys.mean")].update(shape=[1, 2, 1, 20]))),
+        ("codec_state_mean_dtype.rvq", "MalformedHeaderError", "open",
+         "keys.mean of dtype int16 (float16, bfloat16 or float32 only)",
+         lambda: _state_edit(lambda c, ss: ss[_kind_at(ss, "keys.mean")].update(dtype="int16"))),
+        ("codec_state_sink_dtype.rvq", "MalformedHeaderError", "open",
+         "keys.sink of dtype uint16 (float16, bfloat16 or float32 only)",
+         lambda: _state_edit(lambda c, ss: ss[_kind_at(ss, "keys.sink")].update(dtype="uint16"))),
+        ("codec_state_sink_tokens_limit.rvq", "LimitExceededError", "open", "sink_tokens 2^31 (limit 2^31 - 1)",
+         lambda: _state_edit(lambda c, ss: c["layers"][0].update(sink_tokens=1 << 31))),
+        ("codec_state_center_keys_not_bool.rvq", "MalformedHeaderError", "open",
+         "center_keys is the integer 1, not a boolean",
+         lambda: _state_edit(lambda c, ss: c["layers"][0].update(center_keys=1))),
+        ("codec_state_on_rotating_layer.rvq", "MalformedHeaderError", "open",
+         "sink_tokens on an rvq-rotating layer (codec state is defined for rvq layers only)",
+         lambda: assemble_12(*_with(v_rotating, lambda c, ss: c["layers"][1].update(sink_tokens=1)))),
+        ("codec_state_feature_missing.rvq", "MalformedHeaderError", "open",
+         "a version 1.2 file with sink_tokens, center_keys and their sections whose required_features lacks "
+         "'codec-state'", lambda: assemble_12(*v_codec_state(), features=[])),
+        ("codec_state_feature_missing_v11.rvq", "MalformedHeaderError", "open",
+         "the codec_state vector as version 1.1 without 'codec-state' (a 1.1 writer cannot make it)",
+         lambda: assemble_12(*v_codec_state(), minor=1, features=[])),
         # -- zstd
         ("zstd_without_feature.rvq", "MalformedHeaderError", "open",
          "a zstd section in a file whose required_features lacks 'zstd'", lambda: _zstd_section(features=[])),
@@ -1242,6 +1448,36 @@ def _invalid() -> list[tuple[str, str, str, str, Callable[[], bytes]]]:
         ("zstd_skippable_frame.rvq", "MalformedSectionError", "read", "a skippable frame instead of a data frame",
          lambda: _zstd_section(frame=b"\x50\x2a\x4d\x18" + (8).to_bytes(4, "little") + tok)),
     ]
+
+
+def _kind_at(secs: list[dict], kind: str, layer: int = 0) -> int:
+    return next(i for i, s in enumerate(secs) if s["kind"] == kind and s["layer"] == layer)
+
+
+def _with(build: Callable[[], tuple[dict, list[dict]]], edit: Callable[[dict, list], Any]) -> tuple[dict, list[dict]]:
+    """``build()``'s content and sections (deep copies) after ``edit(content, sections)``."""
+    content, secs = build()
+    content = copy.deepcopy(content)
+    secs = [dict(s) for s in secs]
+    edit(content, secs)
+    return content, secs
+
+
+def _state_edit(edit) -> bytes:
+    """The codec_state vector after ``edit`` (its features as the valid file has them)."""
+    return assemble_12(*_with(v_codec_state, edit), features=["codec-state"])
+
+
+def _state_layers_edit(edit) -> bytes:
+    return assemble_12(*_with(v_codec_state_layers, edit), features=["layer-kinds", "codec-state"])
+
+
+def _one_sink_position(content: dict, secs: list) -> None:
+    for kind in ("keys.sink", "values.sink"):
+        i = _kind_at(secs, kind)
+        secs[i] = dict(secs[i], shape=[1, 2, 1, 20], _data=secs[i]["_data"][: len(secs[i]["_data"]) // 2],
+                       raw_length=None)
+        secs[i]["raw_length"] = len(secs[i]["_data"])
 
 
 def _zstd_section_huge() -> bytes:

@@ -15,9 +15,11 @@ MAGIC = b"\x89RVQ\r\n\x1a\n"
 
 FORMAT_MAJOR = 1
 #: The newest minor version this implementation writes.  Readers accept any minor of major 1.  A file
-#: that uses no 1.1 feature is still written as 1.0 (the oldest version that holds the data).
-FORMAT_MINOR = 1
+#: is written as the oldest version that holds the data: 1.0 without any later feature, 1.1 with a
+#: feature of revision 1.1 only, 1.2 with ``codec-state``.
+FORMAT_MINOR = 2
 FORMAT_MINOR_BASE = 0
+FORMAT_MINOR_1_1 = 1
 
 #: ``<`` little-endian: magic 8s, major H, minor H, flags I, header_offset Q, header_length Q,
 #: header_checksum Q, file_length Q, reserved Q, preamble_checksum Q.
@@ -44,7 +46,11 @@ FEATURE_LAYER_KINDS = "layer-kinds"
 FEATURE_ENTROPY_CODED = "entropy-coded"
 #: The features of revision 1.1: a file listing any of them is written as version [1, 1].
 FEATURES_1_1 = (FEATURE_PER_SIDE_GEOMETRY, FEATURE_QUANTIZER_TABLE, FEATURE_LAYER_KINDS, FEATURE_ENTROPY_CODED)
-KNOWN_FEATURES = frozenset({FEATURE_ZSTD, *FEATURES_1_1})
+#: Sink tokens kept exact and a per-head key mean (layer keys ``sink_tokens`` / ``center_keys``, section
+#: kinds ``keys.sink`` / ``values.sink`` / ``keys.mean``, spec 8.2): a file listing it is version [1, 2].
+FEATURE_CODEC_STATE = "codec-state"
+FEATURES_1_2 = (FEATURE_CODEC_STATE,)
+KNOWN_FEATURES = frozenset({FEATURE_ZSTD, *FEATURES_1_1, *FEATURES_1_2})
 
 CODEC_RAW = "raw"
 CODEC_ZSTD = "zstd"
@@ -89,6 +95,13 @@ DENSE_KINDS = ("keys.dense", "values.dense")
 #: Section kinds this version understands.  Sections of any other kind are skipped by readers (they
 #: still obey every container rule: layout, limits, checksum).
 KNOWN_KINDS = (KIND_TOKENS,) + CODE_KINDS + SCALE_KINDS + DENSE_KINDS
+#: With feature "codec-state", on ``rvq`` layers: the first ``S`` positions in full precision and the
+#: per-(batch, head) key mean added back to every coded key (spec 8.2).
+SINK_KINDS = ("keys.sink", "values.sink")
+MEAN_KIND = "keys.mean"
+CODEC_STATE_KINDS = SINK_KINDS + (MEAN_KIND,)
+#: dtypes of the codec-state sections (each array its own: 16-bit, or float32 where 16 bits overflow).
+STATE_DTYPES = FLOAT_DTYPES
 #: With feature "layer-kinds": ``state.<k>`` (slot k of an arrays layer) and ``c<j>.<kind>`` (a kind of
 #: child j of a list layer).  Decimal, no leading zeros.
 STATE_KIND_PREFIX = "state."

@@ -51,8 +51,9 @@ class SectionInfo:
     @property
     def known(self) -> bool:
         """True when this reader understands the section's kind (others are skipped).  The 1.1 kinds
-        (``state.<k>``, ``c<j>.<kind>``) are interpreted only in files that list 'layer-kinds'."""
-        return _kind_known(self.kind, True)
+        (``state.<k>``, ``c<j>.<kind>``) are interpreted only in files that list 'layer-kinds', the 1.2
+        kinds (``keys.sink``, ``values.sink``, ``keys.mean``) only in files that list 'codec-state'."""
+        return _kind_known(self.kind, True, True)
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -99,10 +100,23 @@ class LayerInfo:
     n_arrays: int | None = None  # arrays: slots
     children: tuple["LayerInfo", ...] = ()  # list: child layers
     parent: int | None = None  # a list child: index of its list layer (its sections carry that index)
+    sink_tokens: int = 0  # rvq, feature codec-state: the first positions are kept in full precision
+    center_keys: bool = False  # rvq, feature codec-state: coded keys carry a per-(batch, head) mean
+
+    @property
+    def n_sink(self) -> int:
+        """Positions held by the ``keys.sink`` / ``values.sink`` sections: ``min(n_tokens, sink_tokens)``."""
+        return min(self.n_tokens, self.sink_tokens)
 
     @property
     def n_quantized_tokens(self) -> int:
-        return self.n_tokens - self.n_dense_tokens
+        """Coded positions ``Tq = n_tokens - n_dense_tokens - n_sink`` (spec 8.2: sink, coded, dense)."""
+        return self.n_tokens - self.n_dense_tokens - self.n_sink
+
+    @property
+    def has_key_mean(self) -> bool:
+        """A ``keys.mean`` section is present: ``center_keys`` and at least one coded position."""
+        return self.center_keys and self.n_quantized_tokens > 0
 
     @property
     def is_attention(self) -> bool:
@@ -136,6 +150,10 @@ class LayerInfo:
         for k in ("key_quantizer", "value_quantizer", "max_size", "keep", "offset", "n_arrays"):
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)
+        if self.sink_tokens:
+            d["sink_tokens"] = self.sink_tokens
+        if self.center_keys:
+            d["center_keys"] = True
         if self.kind == C.LAYER_LIST:
             d["children"] = [c.to_dict() for c in self.children]
         return d
@@ -587,28 +605,31 @@ _STATE_RE = re.compile(r"state\.(0|[1-9][0-9]{0,5})\Z")
 _CHILD_RE = re.compile(r"c(0|[1-9][0-9]{0,5})\.(.+)\Z")
 
 
-def _base_kind_known(kind: str, layer_kinds: bool) -> bool:
-    return kind in C.KNOWN_KINDS or (layer_kinds and _STATE_RE.match(kind) is not None)
+def _base_kind_known(kind: str, layer_kinds: bool, codec_state: bool = False) -> bool:
+    return (kind in C.KNOWN_KINDS or (layer_kinds and _STATE_RE.match(kind) is not None)
+            or (codec_state and kind in C.CODEC_STATE_KINDS))
 
 
-def _kind_known(kind: str, layer_kinds: bool) -> bool:
-    """Known section kinds; ``state.<k>`` and ``c<j>.<kind>`` only with feature layer-kinds."""
-    if _base_kind_known(kind, layer_kinds):
+def _kind_known(kind: str, layer_kinds: bool, codec_state: bool = False) -> bool:
+    """Known section kinds; ``state.<k>`` and ``c<j>.<kind>`` only with feature layer-kinds, the sink and
+    mean kinds only with feature codec-state (without it they are unknown kinds, skipped)."""
+    if _base_kind_known(kind, layer_kinds, codec_state):
         return True
     m = _CHILD_RE.match(kind) if layer_kinds else None
-    return m is not None and _base_kind_known(m.group(2), True)
+    return m is not None and _base_kind_known(m.group(2), True, codec_state)
 
 
 def _parse_layers(path, rows: list, sections, n_tokens: int, quantizer, quantizers,
                   feats: frozenset) -> tuple[LayerInfo, ...]:
     n_layers = len(rows)
     layer_kinds = C.FEATURE_LAYER_KINDS in feats
+    codec_state = C.FEATURE_CODEC_STATE in feats
     by_layer: dict[int, dict[str, SectionInfo]] = {}
     tokens_sec = None
     for s in sections:
         if s.layer >= n_layers:
             raise MalformedHeaderError(path, f"section {s.name!r}: layer {s.layer} but the file has {n_layers} layers")
-        if not _kind_known(s.kind, layer_kinds):
+        if not _kind_known(s.kind, layer_kinds, codec_state):
             continue  # unknown kinds are skipped (they obey the container rules only)
         if s.kind == C.KIND_TOKENS:
             if s.layer != -1:
@@ -657,6 +678,21 @@ def _parse_layers(path, rows: list, sections, n_tokens: int, quantizer, quantize
     return tuple(layers)
 
 
+#: Layer map keys of feature codec-state (spec 7.3), on rvq layers only.
+_STATE_KEYS = ("sink_tokens", "center_keys")
+
+
+def _why_not(kind: str, layer: LayerInfo) -> str:
+    """Why a known section kind is not allowed on this layer, for the error message."""
+    if kind in C.DENSE_KINDS:
+        return " (it has no dense tokens)"
+    if kind in C.SINK_KINDS and layer.kind == "rvq":
+        return f" (it holds no sink positions: sink_tokens {layer.sink_tokens}, n_tokens {layer.n_tokens})"
+    if kind == C.MEAN_KIND and layer.kind == "rvq":
+        return (" (center_keys is false)" if not layer.center_keys else " (it holds no coded positions)")
+    return ""
+
+
 def _replace(layer: LayerInfo, **kw) -> LayerInfo:
     import dataclasses
 
@@ -689,6 +725,11 @@ class _LayerContext:
             self._needs(w, row, key, C.FEATURE_PER_SIDE_GEOMETRY)
         for key in ("key_quantizer", "value_quantizer"):
             self._needs(w, row, key, C.FEATURE_QUANTIZER_TABLE)
+        for key in _STATE_KEYS:
+            self._needs(w, row, key, C.FEATURE_CODEC_STATE)
+            if key in row and kind != "rvq":  # a rotating window keeps its own `keep` sinks, uncentered
+                raise MalformedHeaderError(path, f"{w}.{key}: codec state is defined for rvq layers only, "
+                                                 f"not {kind!r}")
         if kind == C.LAYER_ARRAYS:
             nt = _int(path, f"{w}.n_tokens", _need(path, w, row, "n_tokens"), 0, C.MAX_TOKENS)
             n_arrays = _int(path, f"{w}.n_arrays", _need(path, w, row, "n_arrays"), 1, C.MAX_ARRAYS_SLOTS)
@@ -732,7 +773,22 @@ class _LayerContext:
                 for key in ("key_quantizer", "value_quantizer"):
                     extra[key] = _int(path, f"{w}.{key}", _need(path, w, row, key), 0,
                                       len(self.quantizers) - 1, limit_hi=False)
+        if kind == "rvq":
+            extra.update(self._codec_state(w, row, nt, nd))
         return LayerInfo(position, kind, batch, heads, dim, nt, nd, kd, vd, value_head_dim=vdim, **extra)
+
+    def _codec_state(self, w: str, row: dict, nt: int, nd: int) -> dict[str, Any]:
+        """``sink_tokens`` and ``center_keys`` of an rvq layer (feature codec-state; defaults 0, false)."""
+        path = self.path
+        sink = _int(path, f"{w}.sink_tokens", row.get("sink_tokens", 0), 0, C.MAX_TOKENS)
+        center = row.get("center_keys", False)
+        if type(center) is not bool:
+            raise MalformedHeaderError(path, f"{w}.center_keys must be a boolean, got {_tname(center)}")
+        n_sink = min(nt, sink)
+        if nd > nt - n_sink:
+            raise MalformedHeaderError(path, f"{w}: n_dense_tokens {nd} and {n_sink} sink positions exceed "
+                                             f"n_tokens {nt}")
+        return {"sink_tokens": sink, "center_keys": center}
 
     def with_sections(self, w: str, layer: LayerInfo, have: dict[str, SectionInfo], parent: int | None) -> LayerInfo:
         """Check a (non-list) layer's sections against its kind; return it with its section names."""
@@ -760,6 +816,11 @@ class _LayerContext:
         if nd > 0 or layer.kind == "dense":
             expect["keys.dense"] = ((kd,), (batch, heads, nd, layer.head_dim))
             expect["values.dense"] = ((vd,), (batch, heads, nd, layer.value_head_dim))
+        if layer.n_sink:  # codec-state (spec 8.2): both sink sections iff S > 0, the mean iff centering codes
+            expect["keys.sink"] = (C.STATE_DTYPES, (batch, heads, layer.n_sink, layer.head_dim))
+            expect["values.sink"] = (C.STATE_DTYPES, (batch, heads, layer.n_sink, layer.value_head_dim))
+        if layer.has_key_mean:
+            expect[C.MEAN_KIND] = (C.STATE_DTYPES, (batch, heads, layer.head_dim))
         for k in expect:
             if k not in have:
                 raise MalformedHeaderError(path, f"{label} ({layer.kind}) lacks its {k!r} section")
@@ -770,7 +831,7 @@ class _LayerContext:
                 allowed = expect[k]
             else:
                 raise MalformedHeaderError(path, f"section {s.name!r}: kind {k!r} does not belong to {layer.kind} {label}"
-                                           + (" (it has no dense tokens)" if k in C.DENSE_KINDS else ""))
+                                           + _why_not(k, layer))
             dtypes, shape = allowed
             if s.dtype not in dtypes:
                 raise MalformedHeaderError(path, f"section {s.name!r}: dtype {s.dtype} should be {' or '.join(dtypes)}")

@@ -36,9 +36,10 @@ def _layer_nbytes(layer, by_name) -> int:
         return sum(_layer_nbytes(c, by_name) for c in layer.children)
     if layer.kind == C.LAYER_ARRAYS:
         return sum(by_name[n].raw_length for n in layer.sections.values())
-    rows = layer.batch * layer.n_kv_heads * layer.n_tokens
+    rows = layer.batch * layer.n_kv_heads * layer.n_tokens  # sink positions included (codec-state)
+    mean = layer.sections.get(C.MEAN_KIND)  # the key mean is held beside the keys it is added to
     return rows * (layer.head_dim * C.DTYPES[layer.key_dtype][1]
-                   + layer.value_head_dim * C.DTYPES[layer.value_dtype][1])
+                   + layer.value_head_dim * C.DTYPES[layer.value_dtype][1]) + (by_name[mean].raw_length if mean else 0)
 
 
 def decoded_nbytes(header) -> int:

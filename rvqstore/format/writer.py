@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
 from dataclasses import dataclass
@@ -233,8 +234,9 @@ def write_rvq(
 
     The version is the oldest that holds the data: ``[1, 0]`` unless a 1.1 feature is used
     (``value_head_dim`` differing from ``head_dim``: per-side-geometry; a ``quantizers`` table:
-    quantizer-table; a layer kind beyond rvq/dense: layer-kinds), and ``required_features`` lists
-    exactly the features used.
+    quantizer-table; a layer kind beyond rvq/dense: layer-kinds), ``[1, 2]`` with codec-state (a
+    layer's ``sink_tokens`` > 0 or ``center_keys`` true, or a sink / mean section), and
+    ``required_features`` lists exactly the features used.
 
     Files: a new file gets mode ``0o600`` (``mode`` overrides); an existing file keeps its mode
     (``mode`` overrides) and is refused if it lacks the owner's write bit; a symlink at ``path`` is
@@ -289,8 +291,10 @@ def write_rvq(
 
         if any(r["codec"] == C.CODEC_RANS for r in rows):
             feats_11 = [f for f in C.FEATURES_1_1 if f in feats_11 or f == C.FEATURE_ENTROPY_CODED]
+        if any(_is_state_kind(r["kind"]) for r in rows) and C.FEATURE_CODEC_STATE not in feats_11:
+            feats_11 = feats_11 + [C.FEATURE_CODEC_STATE]  # then the layer maps must say what they are
         feats = ([C.FEATURE_ZSTD] if any(r["codec"] == C.CODEC_ZSTD for r in rows) else []) + feats_11
-        minor = C.FORMAT_MINOR if feats_11 else C.FORMAT_MINOR_BASE
+        minor = _minor(feats_11)
         full = dict(content)
         full.update({"format_version": [C.FORMAT_MAJOR, minor], "required_features": feats,
                      "sections": rows})
@@ -331,8 +335,25 @@ def write_rvq(
             os.close(fd)
 
 
+def _minor(feats: list[str]) -> int:
+    """The oldest minor version that holds a file using ``feats`` (besides zstd, a 1.0 feature)."""
+    if any(f in C.FEATURES_1_2 for f in feats):
+        return C.FORMAT_MINOR
+    return C.FORMAT_MINOR_1_1 if feats else C.FORMAT_MINOR_BASE
+
+
+_CHILD_KIND = re.compile(r"c(?:0|[1-9][0-9]{0,5})\.(.+)\Z")
+
+
+def _is_state_kind(kind: str) -> bool:
+    """``keys.sink`` / ``values.sink`` / ``keys.mean``, also as a list child's ``c<j>.`` kind."""
+    m = _CHILD_KIND.match(kind)
+    return (m.group(1) if m else kind) in C.CODEC_STATE_KINDS
+
+
 def _normalize_features(content: dict) -> tuple[dict, list[str]]:
-    """Drop ``value_head_dim`` where it equals ``head_dim``; return the 1.1 features the header uses."""
+    """Drop ``value_head_dim`` where it equals ``head_dim`` and codec-state keys at their defaults
+    (``sink_tokens`` 0, ``center_keys`` false); return the 1.1 / 1.2 features the header uses."""
     used: set[str] = set()
     layers = content.get("layers")
 
@@ -351,13 +372,19 @@ def _normalize_features(content: dict) -> tuple[dict, list[str]]:
             row["children"] = [visit(c) for c in row["children"]]
         if "key_quantizer" in row or "value_quantizer" in row:
             used.add(C.FEATURE_QUANTIZER_TABLE)
+        for key, default in (("sink_tokens", 0), ("center_keys", False)):
+            if key in row:
+                if type(row[key]) is type(default) and row[key] == default:
+                    del row[key]  # the default: a file without codec state stays what it was
+                else:
+                    used.add(C.FEATURE_CODEC_STATE)
         return row
 
     if type(layers) is list:
         content = dict(content, layers=[visit(r) for r in layers])
     if "quantizers" in content:
         used.add(C.FEATURE_QUANTIZER_TABLE)
-    return content, [f for f in C.FEATURES_1_1 if f in used]
+    return content, [f for f in C.FEATURES_1_1 + C.FEATURES_1_2 if f in used]
 
 
 def _code_geometry(content: dict, sec: Section, dtype: str) -> "tuple[int, int] | None":
