@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import attention, cache_modes, cache_steps
+from . import attention, cache_modes, cache_state, cache_steps
 from .codec import _FLOAT_DTYPES, DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError, InvalidArgumentError
 
@@ -248,13 +248,18 @@ class RVQKVCache:
             ``2^(bits1 + bits2)`` points for keys / values (:class:`rvqstore.RVQCodec`'s ``step``);
             ``value_step=None`` takes the keys' ``step``. Memory is the fixed width of ``bits``; a
             file saved with ``compress="best"`` stores grid codes near their entropy.
+        sink_tokens: keep the first this many positions of the sequence in full precision (16-bit
+            state dtype), never coded (0: none).
+        center_keys: subtract a per-(batch, head) key mean (set at the first update that codes tokens)
+            before coding keys and add it back after decoding. Both: :mod:`rvqstore.cache_state`.
     """
 
     def __init__(self, bits: tuple[int, int] | int = DEFAULT_BITS, seed: int = 0, residual: str = "conditional", *,
                  mode: str = "packed", dense_window: int = 0, flush_block: int = 64, use_kernels: bool = True,
                  value_bits: tuple[int, int] | int | None = None, step: float | None = None,
-                 value_step: float | None = None):
+                 value_step: float | None = None, sink_tokens: int = 0, center_keys: bool = False):
         mode_impl = cache_modes.for_cache(mode)  # refuses an unknown mode
+        state = cache_state.CodecState.make(sink_tokens, center_keys)  # refuses bad settings
         for name, v, lo in (("dense_window", dense_window, 0), ("flush_block", flush_block, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise CodecConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -279,6 +284,7 @@ class RVQKVCache:
         self.geometry: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
         self._steps_off = False  # set when a compiled step path failed (rvqstore.cache_steps)
         self._step_fns: dict = {}  # rvqstore.cache_steps functions of this cache's codec and dtype
+        self._state = state  # sink tokens and key mean (rvqstore.cache_state); None when both are off
         attention.install()  # mlx-lm's attention calls reach attend_on_codes (rvqstore.attention.hook)
 
     # ---- helpers ----------------------------------------------------------------------------------
@@ -293,7 +299,35 @@ class RVQKVCache:
 
     @property
     def n_dense(self) -> int:
-        return self.offset - self.n_coded
+        return self.offset - self.n_sink - self.n_coded
+
+    # ---- codec state (rvqstore.cache_state) ---------------------------------------------------------
+    @property
+    def sink_tokens(self) -> int:
+        return 0 if self._state is None else self._state.sink_tokens
+
+    @property
+    def center_keys(self) -> bool:
+        return self._state is not None and self._state.center_keys
+
+    @property
+    def n_sink(self) -> int:
+        """Sink positions held: ``min(offset, sink_tokens)``."""
+        return 0 if self._state is None else self._state.n_sink
+
+    @property
+    def sink_keys(self) -> mx.array | None:
+        """``(B, H, n_sink, Dk)`` in the state dtype (float32 where that is not finite), or None."""
+        return None if self._state is None else self._state.sink_keys
+
+    @property
+    def sink_values(self) -> mx.array | None:
+        return None if self._state is None else self._state.sink_values
+
+    @property
+    def key_mean(self) -> mx.array | None:
+        """``(B, H, Dk)`` subtracted from keys before coding; None until set, or when not centering."""
+        return None if self._state is None else self._state.key_mean
 
     def _codec(self, dim: int, bits: tuple[int, int] | None = None, step: float | None = None) -> RVQCodec:
         return RVQCodec(dim, bits or self.codec_bits, self.seed, self.residual, use_kernels=self.use_kernels,
@@ -324,19 +358,29 @@ class RVQKVCache:
         if t == 0:  # as mlx-lm's KVCache: nothing appended, the (possibly empty) history returned
             return self._handed_out(self._fetch())
         start_coded = self.n_coded
-        if self.dense_window == 0:
-            self._append(keys, values)
-        else:
-            dk = keys if self._dense_k is None else mx.concatenate([self._dense_k, keys], axis=2)
-            dv = values if self._dense_v is None else mx.concatenate([self._dense_v, values], axis=2)
-            flush = self._target_coded(self.offset + t) - start_coded
-            if flush > 0:
-                self._append(dk[:, :, :flush], dv[:, :, :flush])
-                dk, dv = dk[:, :, flush:], dv[:, :, flush:]
-            self._dense_k, self._dense_v = dk, dv
+        if self._state is None:
+            self._take(keys, values, self.offset)
+        else:  # the positions that fall in the sink are held, not coded
+            body = self.offset - self._state.n_sink
+            keys, values = self._state.take_sink(keys, values, self.offset, self.dtype)
+            if keys.shape[2]:
+                self._take(keys, values, body)
         self.offset += t
         self._mode.extend(self, start_coded)  # resident: the decoded copy of the newly coded tokens
         return self._handed_out(self._fetch())
+
+    def _take(self, keys: mx.array, values: mx.array, body: int) -> None:
+        """Code ``keys``/``values`` (or keep them in the window), ``body`` positions after the sink held."""
+        if self.dense_window == 0:
+            self._append(keys, values)
+            return
+        dk = keys if self._dense_k is None else mx.concatenate([self._dense_k, keys], axis=2)
+        dv = values if self._dense_v is None else mx.concatenate([self._dense_v, values], axis=2)
+        flush = self._target_coded(body + keys.shape[2]) - self.n_coded
+        if flush > 0:
+            self._append(dk[:, :, :flush], dv[:, :, :flush])
+            dk, dv = dk[:, :, flush:], dv[:, :, flush:]
+        self._dense_k, self._dense_v = dk, dv
 
     def _handed_out(self, kv: tuple) -> tuple:
         """Remember (weakly) the keys/values handed to the model: attention on codes serves only calls
@@ -350,6 +394,8 @@ class RVQKVCache:
         return self.geometry[2] == self.geometry[3] and self._keys.codec.same_code(self._values.codec)
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
+        if self._state is not None:  # keys minus the mean (set from these keys at the first coded update)
+            keys = self._state.centered(keys, self.dtype)
         if not self._joint():
             self._keys.append(keys)
             self._values.append(values)
@@ -397,10 +443,13 @@ class RVQKVCache:
         k._grow(k.lead, k.n + t)
         v._grow(v.lead, v.n + t)
         try:
-            fn = self._step_fns.get(decodes)
+            mean = None if self._state is None or not decodes else self._state.mean32
+            fn = self._step_fns.get((decodes, mean is not None))
             if fn is None:  # looked up once per cache (the shared table's key hashes the codebooks)
-                fn = self._step_fns[decodes] = cache_steps.append_fn(k.codec, decodes)
-            out = fn(keys, values if values.dtype == keys.dtype else values.astype(keys.dtype))
+                fn = self._step_fns[(decodes, mean is not None)] = cache_steps.append_fn(k.codec, decodes,
+                                                                                       mean is not None)
+            vals = values if values.dtype == keys.dtype else values.astype(keys.dtype)
+            out = fn(keys, vals) if mean is None else fn(keys, vals, mean)
         except Exception:  # e.g. a kernel's first-use check inside a retrace: the unfused path from now on
             self._steps_off = True
             return False
@@ -411,14 +460,17 @@ class RVQKVCache:
         return True
 
     def _decode_range(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Keys and values of coded tokens [start, end) as handed out (keys with the mean added back)."""
         if not self._joint():
-            return self._keys.decode(start, end, self.dtype), self._values.decode(start, end, self.dtype)
-        ek, ev = self._keys.encoded(start, end, self.dtype), self._values.encoded(start, end, self.dtype)
-        both = self._keys.codec.decode(EncodedVectors(
-            mx.concatenate([ek.scales, ev.scales]), mx.concatenate([ek.codes1, ev.codes1]),
-            None if ek.codes2 is None else mx.concatenate([ek.codes2, ev.codes2]), self.dtype))
-        b = ek.scales.shape[0]
-        return both[:b], both[b:]
+            k, v = self._keys.decode(start, end, self.dtype), self._values.decode(start, end, self.dtype)
+        else:
+            ek, ev = self._keys.encoded(start, end, self.dtype), self._values.encoded(start, end, self.dtype)
+            both = self._keys.codec.decode(EncodedVectors(
+                mx.concatenate([ek.scales, ev.scales]), mx.concatenate([ek.codes1, ev.codes1]),
+                None if ek.codes2 is None else mx.concatenate([ek.codes2, ev.codes2]), self.dtype))
+            b = ek.scales.shape[0]
+            k, v = both[:b], both[b:]
+        return (k, v) if self._state is None else (self._state.restored(k, self.dtype), v)
 
     def _fetch(self) -> tuple[mx.array, mx.array]:
         n = self.n_coded
@@ -427,6 +479,8 @@ class RVQKVCache:
             dk, dv = self._dense_k.astype(self.dtype), self._dense_v.astype(self.dtype)
             k = dk if k is None else mx.concatenate([k, dk], axis=2)
             v = dv if v is None else mx.concatenate([v, dv], axis=2)
+        if self._state is not None:  # the sink goes in front
+            k, v = self._state.in_front(k, v, self.dtype)
         if k is None:  # nothing held yet: empty (B, H, 0, D) arrays, as mlx-lm's KVCache returns
             b, h, dk, dv = self.geometry
             k, v = mx.zeros((b, h, 0, dk), self.dtype), mx.zeros((b, h, 0, dv), self.dtype)
@@ -434,12 +488,15 @@ class RVQKVCache:
 
     # ---- attention on the codes (rvqstore.attention) -------------------------------------------------
     def codes_view(self) -> attention.CodesView:
-        """What attention on codes reads: the streams' buffers, the coded count and the window."""
+        """What attention on codes reads: the streams' buffers, the coded count and the window (the sink
+        joined in front of it, keys minus the key mean: rvqstore.cache_state)."""
         k, v = self._keys, self._values
+        dk, dv = (self._dense_k, self._dense_v) if self.n_dense else (None, None)
+        if self._state is not None:
+            dk, dv = self._state.attention_window(dk, dv)
         return attention.CodesView(
             k.codec, v.codec, self.geometry[1], self.n_coded,
-            (k.scales, k.codes1, k.codes2), (v.scales, v.codes1, v.codes2),
-            self._dense_k if self.n_dense else None, self._dense_v if self.n_dense else None)
+            (k.scales, k.codes1, k.codes2), (v.scales, v.codes1, v.codes2), dk, dv)
 
     def attend_on_codes(self, queries: mx.array, *, scale: float, mask=None, sinks=None) -> mx.array | None:
         """Attention of ``queries`` over this cache computed from the codes (packed mode), or None
@@ -450,6 +507,10 @@ class RVQKVCache:
         if queries.ndim != 4 or queries.shape[1] % self.geometry[1] or queries.shape[-1] != self.geometry[2]:
             raise InputShapeError(f"queries must be (B, n_heads, L, {self.geometry[2]}) with n_heads a multiple "
                                   f"of {self.geometry[1]}, got {tuple(queries.shape)}")
+        if self._state is not None:
+            if sinks is not None and self._state.mean32 is not None:
+                return None  # learned attention sinks do not shift with the keys: decode-then-SDPA
+            mask = self._state.attention_mask(mask, queries.shape[2], self.n_coded, self.n_dense)
         return attention.attend(self.codes_view(), queries, scale, mask, sinks, use_kernels=self.use_kernels)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
@@ -468,18 +529,23 @@ class RVQKVCache:
         return True
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` tokens (dense window first, then codes); returns how many were dropped."""
+        """Drop the last ``n`` tokens (dense window first, then codes, then the sink); returns how many
+        were dropped."""
         n = max(0, min(self.offset, trim_count(n)))
         if n == 0:
             return 0
         keep = self.offset - n
-        if keep >= self.n_coded:
-            d = keep - self.n_coded
+        n_sink = self.n_sink
+        if keep >= n_sink + self.n_coded:
+            d = keep - n_sink - self.n_coded
             self._dense_k, self._dense_v = self._dense_k[:, :, :d], self._dense_v[:, :, :d]
         else:
-            self._keys.n = self._values.n = keep
+            if self._keys is not None:
+                self._keys.n = self._values.n = max(0, keep - n_sink)
             if self._dense_k is not None:
                 self._dense_k, self._dense_v = self._dense_k[:, :, :0], self._dense_v[:, :, :0]
+        if self._state is not None:  # into the sink; no coded token left: the mean goes (cache_state)
+            self._state.trim(keep, self.n_coded)
         self.offset = keep
         return n
 
@@ -499,11 +565,13 @@ class RVQKVCache:
         for a in (self._dense_k, self._dense_v):
             if a is not None:
                 total += a.nbytes
+        if self._state is not None:
+            total += self._state.nbytes
         return total + self._mode.nbytes
 
     @property
     def packed_nbytes(self) -> int:
-        """Bytes of the used codes, scales and window: what a snapshot of this cache stores."""
+        """Bytes of the used codes, scales, window, sink and key mean: what a snapshot of this cache stores."""
         if self.geometry is None:
             return 0
         total = 0
@@ -511,32 +579,44 @@ class RVQKVCache:
             total += sum(a.nbytes for a in s.used() if a is not None)
         if self.n_dense:
             total += self._dense_k.nbytes + self._dense_v.nbytes
+        if self._state is not None:
+            total += self._state.nbytes
         return total
 
     # ---- state (mlx-lm's save/eval hooks; also what rvqstore snapshots hold) ---------------------------
     @property
     def state(self) -> tuple:
-        """Arrays held: (k_scales, k_codes1, k_codes2, v_scales, v_codes1, v_codes2, k_dense, v_dense)."""
+        """Arrays held: (k_scales, k_codes1, k_codes2, v_scales, v_codes1, v_codes2, k_dense, v_dense),
+        then (sink_keys, sink_values, key_mean) for a cache with codec state (each None where absent)."""
         if self.geometry is None:
             return ()
         ks, kc1, kc2 = self._keys.used()
         vs, vc1, vc2 = self._values.used()
-        return (ks, kc1, kc2, vs, vc1, vc2, self._dense_k, self._dense_v)
+        held = (ks, kc1, kc2, vs, vc1, vc2, self._dense_k, self._dense_v)
+        return held if self._state is None else held + self._state.arrays()
 
     @property
     def meta_state(self) -> tuple[str, ...]:
+        """Settings as strings; a cache with codec state adds ``sink_tokens`` and ``center_keys`` ("0"/"1")."""
         b1, b2 = self.codec_bits
         dt = "" if self.dtype is None else str(self.dtype).split(".")[-1]
-        return (str(b1), str(b2), str(self.seed), self.residual, self.mode, str(self.dense_window),
+        meta = (str(b1), str(b2), str(self.seed), self.residual, self.mode, str(self.dense_window),
                 str(self.flush_block), str(self.offset), dt)
+        if self._state is None:
+            return meta
+        return meta + (str(self._state.sink_tokens), str(int(self._state.center_keys)))
 
     @classmethod
     def from_packed(cls, *, keys: tuple[mx.array, mx.array, mx.array | None],
                     values: tuple[mx.array, mx.array, mx.array | None], dense_keys: mx.array | None,
                     dense_values: mx.array | None, dtype: mx.Dtype, head_dims: tuple[int, int],
                     key_codec: RVQCodec | None = None, value_codec: RVQCodec | None = None,
+                    sink: tuple[mx.array, mx.array] | None = None, key_mean: mx.array | None = None,
                     **kwargs: Any) -> "RVQKVCache":
-        """Build a cache from packed arrays (scales, codes1, codes2) of keys and values."""
+        """Build a cache from packed arrays (scales, codes1, codes2) of keys and values, its window
+        ``dense_keys``/``dense_values`` and codec state (``kwargs`` carry ``sink_tokens``/``center_keys``
+        as for the constructor): ``sink`` ``(sink_keys, sink_values)`` of ``min(offset, sink_tokens)``
+        positions, ``key_mean`` ``(B, H, Dk)`` exactly when ``center_keys`` and tokens are coded."""
         c = cls(**kwargs)
         ks = keys[0] if isinstance(keys, (tuple, list)) and keys else None
         if not isinstance(ks, mx.array) or ks.ndim != 3:
@@ -560,8 +640,13 @@ class RVQKVCache:
                 raise InputShapeError(f"{name} must be (B, heads, T, D) = ({b}, {h}, T, {d}) beside the other, "
                                       f"got {getattr(a, 'shape', type(a).__name__)}")
         if dense_keys is not None and dense_keys.shape[2]:
-            c._dense_k, c._dense_v, nd = dense_keys, dense_values, dense_keys.shape[2]
-        c.offset = n + nd
+            nd = dense_keys.shape[2]
+        # checked against the settings (no state: neither may be given), then held
+        state = c._state if c._state is not None else cache_state.CodecState(0, False)
+        n_sink = state.load(sink, key_mean, c.geometry, n, nd)
+        if nd:
+            c._dense_k, c._dense_v = dense_keys, dense_values
+        c.offset = n_sink + n + nd
         c._mode.extend(c, 0)  # resident: decode the loaded codes into the copy
         return c
 
@@ -581,5 +666,9 @@ class RVQKVCache:
         steps = "" if self.step is None and self.value_step is None else (
             f"step={self.step}, " + (f"value_step={self.value_step}, " if self.value_step != self.step else ""))
         values = f"value_bits={self.value_bits}, " if self.value_bits != self.codec_bits else ""
-        return (f"RVQKVCache(bits={self.codec_bits}, {values}{steps}mode={self.mode!r}, offset={self.offset}, "
-                f"coded={self.n_coded}, dense={self.n_dense}, nbytes={self.nbytes})")
+        state = "" if self._state is None else (
+            (f"sink_tokens={self.sink_tokens}, " if self.sink_tokens else "")
+            + ("center_keys=True, " if self.center_keys else ""))
+        sink = f"sink={self.n_sink}, " if self.sink_tokens else ""
+        return (f"RVQKVCache(bits={self.codec_bits}, {values}{steps}{state}mode={self.mode!r}, offset={self.offset}, "
+                f"{sink}coded={self.n_coded}, dense={self.n_dense}, nbytes={self.nbytes})")

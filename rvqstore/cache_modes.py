@@ -81,12 +81,14 @@ class Packed(CodesOnly):
         ks, vs = cache._keys, cache._values
         kb, vb = (ks.scales, ks.codes1, ks.codes2), (vs.scales, vs.codes1, vs.codes2)
         kv = cache_fetch.fetch(ks.codec, kb, vb, n, cache.dtype) if cache.use_kernels else None
-        if kv is not None:
-            return kv
-        fn = cache._step_fns.get("decode")
+        mean = None if cache._state is None else cache._state.mean32
+        if kv is not None:  # the launch decodes the codes; a centering cache adds its key mean back
+            return kv if mean is None else (cache._state.restored(kv[0], cache.dtype), kv[1])
+        fn = cache._step_fns.get(("decode", mean is not None))
         if fn is None:
-            fn = cache._step_fns["decode"] = cache_steps.decode_fn(ks.codec, cache.dtype)
-        k, v = fn(*kb, *vb)
+            fn = cache._step_fns[("decode", mean is not None)] = cache_steps.decode_fn(ks.codec, cache.dtype,
+                                                                                     mean is not None)
+        k, v = fn(*kb, *vb) if mean is None else fn(*kb, *vb, mean)
         return k[:, :, :n], v[:, :, :n]
 
     def step_decodes(self, cache: Any, need: int) -> bool:
@@ -221,7 +223,8 @@ class Resident(DecodedCopy):
         n, t = k.n, keys.shape[2]
         self.grow(cache, n, n + t)
         cache._write_codes(out, t)
-        self.write(n, n + t, out[6], out[7])
+        dk = out[6] if cache._state is None else cache._state.restored(out[6], cache.dtype)  # key mean back
+        self.write(n, n + t, dk, out[7])
         return True
 
 
