@@ -21,6 +21,7 @@ quantized path for any cache that has it.
 from __future__ import annotations
 
 import operator
+import sys
 import weakref
 from typing import Any
 
@@ -31,6 +32,16 @@ from .codec import _FLOAT_DTYPES, DEFAULT_BITS, EncodedVectors, RVQCodec, _parse
 from .errors import CodecConfigError, InputShapeError, InvalidArgumentError
 
 MODES = cache_modes.MODES  # importable from here as before
+
+#: what :attr:`RVQKVCache.meta_state` holds, in order (the first nine for every cache, all for a cache
+#: with codec state: :meth:`RVQKVCache.from_state` rebuilds it from them)
+META_FIELDS = ("bits1", "bits2", "seed", "residual", "mode", "dense_window", "flush_block", "offset", "dtype",
+               "sink_tokens", "center_keys", "value_bits1", "value_bits2", "step", "value_step", "key_head_dim",
+               "value_head_dim")
+
+
+def _opt_float(s: str) -> float | None:
+    return None if s == "None" else float(s)
 
 
 def check_update(keys: Any, values: Any, geometry: tuple[int, int, int, int] | None) -> tuple[int, int, int, int]:
@@ -286,6 +297,8 @@ class RVQKVCache:
         self._step_fns: dict = {}  # rvqstore.cache_steps functions of this cache's codec and dtype
         self._state = state  # sink tokens and key mean (rvqstore.cache_state); None when both are off
         attention.install()  # mlx-lm's attention calls reach attend_on_codes (rvqstore.attention.hook)
+        if state is not None:
+            register_with_mlx_lm()  # its mlx-lm prompt-cache files load back (from_state)
 
     # ---- helpers ----------------------------------------------------------------------------------
     @property
@@ -587,24 +600,67 @@ class RVQKVCache:
     @property
     def state(self) -> tuple:
         """Arrays held: (k_scales, k_codes1, k_codes2, v_scales, v_codes1, v_codes2, k_dense, v_dense),
-        then (sink_keys, sink_values, key_mean) for a cache with codec state (each None where absent)."""
+        then, for a cache with codec state, (sink_keys, sink_values, key_mean) (each None where absent)
+        and :attr:`meta_state`, so that mlx-lm's ``save_prompt_cache``/``load_prompt_cache`` round-trip
+        it (:meth:`from_state`)."""
         if self.geometry is None:
-            return ()
+            return () if self._state is None else (self.meta_state,)
         ks, kc1, kc2 = self._keys.used()
         vs, vc1, vc2 = self._values.used()
         held = (ks, kc1, kc2, vs, vc1, vc2, self._dense_k, self._dense_v)
-        return held if self._state is None else held + self._state.arrays()
+        # with codec state: its arrays, then the settings as strings (mlx-lm's files keep only state)
+        return held if self._state is None else held + self._state.arrays() + (self.meta_state,)
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        """Settings as strings; a cache with codec state adds ``sink_tokens`` and ``center_keys`` ("0"/"1")."""
+        """Settings as strings (:data:`META_FIELDS`); a cache with codec state adds the rest of the fields
+        (``sink_tokens``, ``center_keys`` "0"/"1", value bits, steps, head dims), enough to rebuild it."""
         b1, b2 = self.codec_bits
         dt = "" if self.dtype is None else str(self.dtype).split(".")[-1]
         meta = (str(b1), str(b2), str(self.seed), self.residual, self.mode, str(self.dense_window),
                 str(self.flush_block), str(self.offset), dt)
         if self._state is None:
             return meta
-        return meta + (str(self._state.sink_tokens), str(int(self._state.center_keys)))
+        dk, dv = ("", "") if self.geometry is None else self.geometry[2:]
+        return meta + (str(self._state.sink_tokens), str(int(self._state.center_keys)), str(self.value_bits[0]),
+                       str(self.value_bits[1]), repr(self.step), repr(self.value_step), str(dk), str(dv))
+
+    @classmethod
+    def from_state(cls, state: Any, meta_state: Any = None) -> "RVQKVCache":
+        """The cache whose :attr:`state` (and :attr:`meta_state`) this is: how mlx-lm's
+        ``load_prompt_cache`` rebuilds caches (the state's last entry is the meta_state of a cache with
+        codec state; older mlx-lm passes ``meta_state`` separately). A cache without codec state keeps
+        no settings in its state: it is refused (save it with ``rvqstore.save_prompt_cache``)."""
+        state = list(state) if isinstance(state, (list, tuple)) else state
+        if meta_state is None and isinstance(state, list) and state and isinstance(state[-1], (list, tuple)):
+            meta_state = state.pop()
+        if not isinstance(state, list) or not isinstance(meta_state, (list, tuple)) or len(meta_state) != len(
+                META_FIELDS) or not all(isinstance(x, str) for x in meta_state):
+            raise InvalidArgumentError("RVQKVCache.from_state takes the state of a cache with codec state (its last "
+                                       "entry the settings as strings); save other caches with "
+                                       "rvqstore.save_prompt_cache")
+        m = dict(zip(META_FIELDS, meta_state))
+        try:
+            kwargs = dict(bits=(int(m["bits1"]), int(m["bits2"])), seed=int(m["seed"]), residual=m["residual"],
+                          mode=m["mode"], dense_window=int(m["dense_window"]), flush_block=int(m["flush_block"]),
+                          value_bits=(int(m["value_bits1"]), int(m["value_bits2"])), step=_opt_float(m["step"]),
+                          value_step=_opt_float(m["value_step"]), sink_tokens=int(m["sink_tokens"]),
+                          center_keys=m["center_keys"] == "1")
+            offset = int(m["offset"])
+            if not state:
+                return cls(**kwargs)
+            dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}[m["dtype"]]
+            head_dims = (int(m["key_head_dim"]), int(m["value_head_dim"]))
+        except (KeyError, ValueError) as err:
+            raise InvalidArgumentError(f"RVQKVCache.from_state: malformed settings {tuple(meta_state)}: {err}") from None
+        if len(state) != 11:
+            raise InvalidArgumentError(f"RVQKVCache.from_state: a state of 11 arrays expected, got {len(state)}")
+        c = cls.from_packed(keys=tuple(state[0:3]), values=tuple(state[3:6]), dense_keys=state[6],
+                            dense_values=state[7], dtype=dtype, head_dims=head_dims,
+                            sink=None if state[8] is None else (state[8], state[9]), key_mean=state[10], **kwargs)
+        if c.offset != offset:
+            raise InputShapeError(f"RVQKVCache.from_state: the arrays hold {c.offset} tokens, the settings say {offset}")
+        return c
 
     @classmethod
     def from_packed(cls, *, keys: tuple[mx.array, mx.array, mx.array | None],
@@ -672,3 +728,15 @@ class RVQKVCache:
         sink = f"sink={self.n_sink}, " if self.sink_tokens else ""
         return (f"RVQKVCache(bits={self.codec_bits}, {values}{steps}{state}mode={self.mode!r}, offset={self.offset}, "
                 f"{sink}coded={self.n_coded}, dense={self.n_dense}, nbytes={self.nbytes})")
+
+
+def register_with_mlx_lm() -> None:
+    """Make :class:`RVQKVCache` known to mlx-lm's ``load_prompt_cache``, which finds cache classes by name
+    in ``mlx_lm.models.cache``. Runs when this module is imported after mlx-lm and when a cache is made;
+    a process that loads such a file before either calls it itself."""
+    lm = sys.modules.get("mlx_lm.models.cache")
+    if lm is not None and getattr(lm, "RVQKVCache", None) is not RVQKVCache:
+        lm.RVQKVCache = RVQKVCache
+
+
+register_with_mlx_lm()

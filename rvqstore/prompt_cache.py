@@ -225,8 +225,10 @@ def make_prompt_cache(model: Any, bits: tuple[int, int] | int = DEFAULT_BITS, se
     ``max_size``/``keep``), recurrent state (``ArraysCache``) stays as mlx-lm makes it, and a
     ``CacheList`` gets its children converted; any other kind raises :class:`UnsupportedCacheError`
     naming it and the layer (see :mod:`rvqstore.cache_kinds`). ``kwargs`` go to the RVQ caches
-    (``mode``, ``dense_window``, ``step``/``value_step`` for uniform-grid codes, ...; sliding-window
-    layers take no ``dense_window`` and one step for both sides). ``max_kv_size``: as
+    (``mode``, ``dense_window``, ``step``/``value_step`` for uniform-grid codes, ``sink_tokens``/
+    ``center_keys`` for the codec state of :mod:`rvqstore.cache_state`, ...; sliding-window layers take
+    no ``dense_window``, one step for both sides, and no codec state: they keep mlx-lm's ``keep`` sink
+    tokens as codes and never center their keys). ``max_kv_size``: as
     in mlx-lm, for models without ``make_cache``: every layer a sliding window of that many tokens
     (keeping 4 sink tokens).
     """
