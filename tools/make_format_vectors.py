@@ -1413,6 +1413,10 @@ def _invalid() -> list[tuple[str, str, str, str, Callable[[], bytes]]]:
         ("codec_state_sink_dtype.rvq", "MalformedHeaderError", "open",
          "keys.sink of dtype uint16 (float16, bfloat16 or float32 only)",
          lambda: _state_edit(lambda c, ss: ss[_kind_at(ss, "keys.sink")].update(dtype="uint16"))),
+        ("codec_state_mean_not_finite.rvq", "MalformedSectionError", "decode",
+         "the first value of keys.mean is float16 +Inf (a mean must be finite)",
+         lambda: _state_edit(lambda c, ss: ss[_kind_at(ss, "keys.mean")].update(
+             _data=b"\x00\x7c" + ss[_kind_at(ss, "keys.mean")]["_data"][2:]))),
         ("codec_state_sink_tokens_limit.rvq", "LimitExceededError", "open", "sink_tokens 2^31 (limit 2^31 - 1)",
          lambda: _state_edit(lambda c, ss: c["layers"][0].update(sink_tokens=1 << 31))),
         ("codec_state_center_keys_not_bool.rvq", "MalformedHeaderError", "open",

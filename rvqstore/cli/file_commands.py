@@ -77,6 +77,38 @@ def _quantizer_lines(q: dict | None) -> list[str]:
     return lines
 
 
+def _codec_state(L) -> dict | None:
+    """Sink positions and key mean of an rvq layer (or of its list children), None where none."""
+    subs = [c for c in (L.children or (L,)) if c.sink_tokens or c.center_keys]
+    if not subs:
+        return None
+    c = subs[0]
+    return {"sink_tokens": c.sink_tokens, "n_sink": c.n_sink, "center_keys": c.center_keys,
+            "key_mean": "keys.mean" in c.sections}
+
+
+def _codec_state_lines(layers: list[dict]) -> list[str]:
+    """One line per run of layers with the same codec state (inspect's table has no room for it)."""
+    runs: list[tuple[int, int, dict]] = []
+    for r in layers:
+        st = r.get("codec_state")
+        if st is None:
+            continue
+        if runs and runs[-1][2] == st and runs[-1][1] == r["index"] - 1:
+            runs[-1] = (runs[-1][0], r["index"], st)
+        else:
+            runs.append((r["index"], r["index"], st))
+    out = []
+    for a, b, st in runs:
+        what = []
+        if st["sink_tokens"]:
+            what.append(f"first {st['n_sink']} position(s) exact (sink_tokens {st['sink_tokens']})")
+        if st["center_keys"]:
+            what.append("keys centered " + ("by a stored per-head mean" if st["key_mean"] else "(no coded key yet)"))
+        out.append(f"codec state  layer{'s' if b > a else ''} {a}" + (f"-{b}" if b > a else "") + ": " + "; ".join(what))
+    return out
+
+
 def describe(f) -> dict[str, Any]:
     """Everything ``inspect`` reports, from the header alone (no section is read)."""
     h = f.header
@@ -98,6 +130,7 @@ def describe(f) -> dict[str, Any]:
             "ratio": (fp16 / stored) if stored else None,
             "bits_per_coordinate": (8 * stored / coords) if coords else None,
             "sections": {k: n for k, n in L.sections.items()},
+            "codec_state": _codec_state(L),  # format 1.2: sink positions and key mean, None without
         }
         layers.append(row)
         tot["stored_bytes"] += stored
@@ -178,6 +211,9 @@ def _print_inspect(d: dict[str, Any], out) -> None:
     bpc = f"{t['bits_per_coordinate']:.3f}" if t["bits_per_coordinate"] else "-"
     w(f"{'total':>5} {'':<5} {'':>8} {'':>6} {'':>5} {'':>5} {'':>5} {t['stored_bytes']:>14,} "
       f"{t['fp16_bytes']:>14,} {ratio:>7} {bpc:>10}\n")
+    state = _codec_state_lines(d["layers"])
+    if state:
+        w("\n" + "\n".join(state) + "\n")
     if d["other_sections"]:
         w("\nother sections: " + ", ".join(f"{s['name']} ({s['kind']}, {s['length']:,} B)" for s in d["other_sections"]) + "\n")
     mem = d["memory"]

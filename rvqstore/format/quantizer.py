@@ -192,6 +192,17 @@ def check_scales(bits: np.ndarray, name: str, path) -> None:
                                           f"only NaN or a finite value >= 0 is valid)")
 
 
+def check_mean_finite(f, sub, label: str) -> None:
+    """A ``keys.mean`` section (codec-state, spec 8.2) must hold finite values only."""
+    name = sub.sections.get("keys.mean")
+    if name is None:
+        return
+    a = f.read_section(name)
+    ok = bool(np.all((a & 0x7F80) != 0x7F80)) if f.section(name).dtype == "bfloat16" else bool(np.all(np.isfinite(a)))
+    if not ok:
+        raise MalformedSectionError(f.path, f"section {name!r}: the key mean of {label} holds NaN or Inf")
+
+
 #: ``verify`` decodes at most this many output bytes (float32) at a time, whatever the layer's shape.
 DECODE_CHUNK_BYTES = 32 << 20
 
@@ -199,7 +210,7 @@ DECODE_CHUNK_BYTES = 32 << 20
 def decode_layers(f, *, chunk_bytes: int = DECODE_CHUNK_BYTES, progress=None) -> int:
     """Decode every rvq-coded layer side's codes with its codec (content-level part of ``verify``).
 
-    Checks the unused bits of every packed word, rebuilds each side's codec from its quantizer map
+    Checks that a key mean (codec-state) is finite, the unused bits of every packed word, rebuilds each side's codec from its quantizer map
     with :meth:`rvqstore.codec.RVQCodec.from_header`, and decodes the vectors in chunks of at most
     ``chunk_bytes`` of float32 output, over all axes (batch, heads and tokens flattened), checking
     the output shape and that vectors with a finite scale decode to finite values.  Returns the
@@ -217,6 +228,7 @@ def decode_layers(f, *, chunk_bytes: int = DECODE_CHUNK_BYTES, progress=None) ->
         for sub in (layer.children or (layer,)):
             if not sub.is_coded:
                 continue
+            check_mean_finite(f, sub, f"layer {layer.index}" + (f" child {sub.index}" if sub is not layer else ""))
             for side in ("keys", "values"):
                 q = f.quantizer_for(sub, side)
                 if q is None or q.get("name") != QUANTIZER_NAME:

@@ -51,7 +51,8 @@ def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool, arrays: 
     try:  # from_packed checks every scale (NaN or decodable finite in the dtype): one check per side, not two
         if layer.kind == "rvq":
             return RVQKVCache.from_packed(dense_keys=a.get("keys.dense"), dense_values=a.get("values.dense"),
-                                          dense_window=opts["dense_window"], flush_block=opts["flush_block"], **common)
+                                          dense_window=opts["dense_window"], flush_block=opts["flush_block"],
+                                          **_codec_state(f, where, layer, a), **common)
         return RVQRotatingKVCache.from_packed(offset=layer.offset, max_size=layer.max_size, keep=layer.keep, **common)
     except InvalidScaleError:
         _raise_scale_error(f, where, sides, kc, vc, _DTYPES[layer.key_dtype])
@@ -60,6 +61,16 @@ def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool, arrays: 
         if layer.kind == "rvq":
             raise
         raise type(e)(f"{where}: {e}") from None
+
+
+def _codec_state(f, where: str, layer, a: dict) -> dict:
+    """from_packed's codec-state arguments (format 1.2); the header checked presence, dtypes and shapes,
+    the mean's values are checked here (spec 8.2: finite) so a tampered one is the file's typed error."""
+    mean = a.get("keys.mean")
+    if mean is not None and not bool(mx.all(mx.isfinite(mean)).item()):
+        raise MalformedSectionError(f.path, f"{where[len(f.path) + 2:]}: keys.mean holds NaN or Inf")
+    sink = (a["keys.sink"], a["values.sink"]) if "keys.sink" in a else None
+    return dict(sink=sink, key_mean=mean, sink_tokens=layer.sink_tokens, center_keys=layer.center_keys)
 
 
 def _raise_scale_error(f, where: str, sides: dict, kc, vc, dtype) -> None:

@@ -1,6 +1,7 @@
-"""Caches -> ``.rvq`` layer maps and sections (names from docs/design-format-1.1.md).
+"""Caches -> ``.rvq`` layer maps and sections (names from docs/design-format-1.1.md and 1.2).
 
-One layer map per top-level cache: ``rvq`` (RVQKVCache), ``rvq-rotating`` (RVQRotatingKVCache: the
+One layer map per top-level cache: ``rvq`` (RVQKVCache; with codec state its ``sink_tokens`` /
+``center_keys`` and ``keys.sink`` / ``values.sink`` / ``keys.mean`` sections), ``rvq-rotating`` (RVQRotatingKVCache: the
 window in temporal order + max_size/keep/offset), ``arrays`` (mlx-lm ArraysCache: one ``state.<k>``
 section per filled slot) and ``list`` (CacheList: child maps, sections prefixed ``c<j>.``).
 """
@@ -82,6 +83,22 @@ class LayerEncoder:
             self._add(layer, prefix, f"{side}.scales", scales)
         return m
 
+    def _codec_state(self, c: RVQKVCache, m: dict, layer: int, prefix: str, where: str) -> dict:
+        """Sink positions and key mean (format 1.2, feature codec-state); nothing for a cache without
+        them, so its file stays byte for byte what it was."""
+        if c.sink_tokens:
+            m["sink_tokens"] = c.sink_tokens
+        if c.center_keys:
+            m["center_keys"] = True
+        if c.n_sink:
+            self._add(layer, prefix, "keys.sink", c.sink_keys)
+            self._add(layer, prefix, "values.sink", c.sink_values)
+        if c.center_keys and c.n_coded:  # the file holds a mean exactly beside coded keys
+            if c.key_mean is None:
+                raise RVQError(f"{where}: a centering cache with {c.n_coded} coded tokens holds no key mean")
+            self._add(layer, prefix, "keys.mean", c.key_mean)
+        return m
+
     def layer_map(self, c: Any, index: int, layer: int, prefix: str, where: str) -> dict:
         lm = _lm()
         if isinstance(c, RVQKVCache):
@@ -90,7 +107,7 @@ class LayerEncoder:
             if c.n_dense:
                 self._add(layer, prefix, "keys.dense", c._dense_k)
                 self._add(layer, prefix, "values.dense", c._dense_v)
-            return m
+            return self._codec_state(c, m, layer, prefix, where)
         if isinstance(c, RVQRotatingKVCache):
             return self._attention(c, {"index": index, "kind": "rvq-rotating", "n_tokens": c.n_held,
                                        "n_dense_tokens": 0, "max_size": c.max_size, "keep": c.keep,

@@ -55,7 +55,7 @@ def empty_like(c: Any) -> Any:
     if isinstance(c, RVQKVCache):
         return RVQKVCache(c.codec_bits, c.seed, c.residual, mode=c.mode, dense_window=c.dense_window,
                           flush_block=c.flush_block, use_kernels=c.use_kernels, value_bits=c.value_bits,
-                          step=c.step, value_step=c.value_step)
+                          step=c.step, value_step=c.value_step, sink_tokens=c.sink_tokens, center_keys=c.center_keys)
     if isinstance(c, RVQRotatingKVCache):
         return RVQRotatingKVCache(c.max_size, c.keep, c.codec_bits, c.seed, c.residual, mode=c.mode,
                                   use_kernels=c.use_kernels, step=c.step)

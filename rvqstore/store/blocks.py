@@ -134,6 +134,10 @@ def _rvq_range(c: RVQKVCache, i: int, start: int, end: int, settings: tuple) -> 
     if getattr(c, "step", None) is not None or getattr(c, "value_step", None) is not None:
         raise StoreConfigError(f"layer {i} codes with a uniform grid (step {c.step}): the store's blocks hold "
                                f"Lloyd–Max codes only (grids are not supported there yet)")
+    if getattr(c, "sink_tokens", 0) or getattr(c, "center_keys", False):
+        raise StoreConfigError(f"layer {i} keeps codec state (sink_tokens {c.sink_tokens}, center_keys "
+                               f"{c.center_keys}): the store's blocks hold plain codes only (codec state is "
+                               f"not supported there yet)")
     if mine != want:
         raise StoreConfigError(f"layer {i} is coded with bits/seed/residual {mine}, the store with {want}: "
                                f"re-encoding would add a second quantization error")
