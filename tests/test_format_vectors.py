@@ -336,8 +336,10 @@ def test_spec_names_every_error_class_and_kind():
         if name in ("SectionNotFoundError", "FormatError"):
             continue
         assert f"`{name}`" in text, name
-    for kind in C.KNOWN_KINDS:
+    for kind in C.KNOWN_KINDS + C.CODEC_STATE_KINDS:
         assert f"`{kind}`" in text, kind
+    for feature in C.KNOWN_FEATURES:
+        assert f"| `{feature}` |" in text, feature
     for dt in C.DTYPES:
         assert f"`{dt}`" in text, dt
     assert "`zstd`" in text and '`"zstd"`' in text
