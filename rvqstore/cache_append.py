@@ -28,7 +28,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from . import first_use, fused
+from . import first_use, fused, kernel_cache
 from .attention.kernel import count_array
 from .codec import EncodedVectors
 from .kernel_plan import DECODE, ENCODE, make_plan
@@ -67,7 +67,7 @@ def _kernel(resident: bool, copy: bool = False):
                   + ("\n#define RVQ_APPEND_COPY 1" if copy else "") + "\n" + fused.load_source("rvq_common.h"))
         body = fused.load_source("rvq_attend_body_prelude_cuda.inc") + fused.load_source("rvq_append.inc")
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
-        k = _kernel_fns[(resident, copy)] = mx.fast.cuda_kernel(
+        k = _kernel_fns[(resident, copy)] = kernel_cache.cuda_kernel(  # compiled once per machine
             name=f"rvq_append{'_res' if resident else ''}{'_copy' if copy else ''}_{digest}",
             input_names=["k", "v", "sg", "tab", "dtab", "lim", "params"]
             + (["cnt", "oks", "ok1", "ok2", "ovs", "ov1", "ov2"] if copy else []),

@@ -19,7 +19,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from . import cache_append, cache_steps, first_use, fused
+from . import cache_append, cache_steps, first_use, fused, kernel_cache
 from .attention.kernel import count_array
 from .kernel_plan import DECODE, make_plan
 
@@ -37,7 +37,7 @@ def _kernel():
         header = fused.load_source("rvq_prelude_cuda.cuh") + "\n" + fused.load_source("rvq_common.h")
         body = fused.load_source("rvq_attend_body_prelude_cuda.inc") + fused.load_source("rvq_unpack.inc")
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
-        _kernel_fn.append(mx.fast.cuda_kernel(
+        _kernel_fn.append(kernel_cache.cuda_kernel(  # compiled once per machine
             name=f"rvq_unpack_{digest}",
             input_names=["ks", "k1", "k2", "vs", "v1", "v2", "sg", "dtab", "cnt", "params"],
             output_names=["ko", "vo"], source=body, header=header, ensure_row_contiguous=True))

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from . import kernel_checks
+from . import kernel_cache, kernel_checks
 from .kernel_checks import _reference_dequantize, _same, boundary_probe, boundary_values  # noqa: F401 (API)
 from .kernel_plan import (  # noqa: F401 (re-exported: the plan names are part of this module's API)
     DECODE, DIALECTS, ENCODE, LAYOUT_CHUNK, LAYOUT_LANES, LINEAR_MAX_THRESHOLDS, MODE_CONDITIONAL, MODE_SHARED,
@@ -130,7 +130,8 @@ def _build_kernel(kind: str, dialect: str, two_stage: bool) -> Callable:
     # MLX's CUDA backend caches compiled kernels on disk by name: the name carries the source hash
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
     name = f"rvq_{kind}{2 if two_stage else 1}_{digest}"
-    make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+    # CUDA: compiled once per machine and kept on disk (rvqstore.kernel_cache), MLX's JIT as the fallback
+    make = mx.fast.metal_kernel if dialect == "metal" else kernel_cache.cuda_kernel
     return make(name=name, input_names=inputs, output_names=outputs, source=body, header=header,
                 ensure_row_contiguous=True)
 
@@ -151,19 +152,17 @@ def cuda_translation_unit(kind: str, two_stage: bool, template: list[tuple[str, 
                           default_header: str, name: str = "rvq_kernel") -> str:
     """The CUDA source MLX's ``cuda_kernel`` hands NVRTC for this kernel (for offline compile checks).
 
-    Mirrors MLX's wrapping: its default header, ours, then ``namespace mlx::core::cu`` with a
-    ``__global__`` function taking ``const T* input..., T* output...``, the template arguments as
-    ``constexpr int`` at the top of the body, then the body.
+    Mirrors MLX's wrapping (:func:`rvqstore.kernel_cache.translation_unit`): its default header, ours, then
+    ``namespace mlx::core::cu`` with a ``__global__`` function taking ``const T* input..., T* output...``,
+    the template arguments as ``constexpr int`` at the top of the body, then the body.
     """
     header, body = kernel_sources(kind, "cuda", two_stage)
     inputs, outputs = _io_names(kind, two_stage)
     in_types = {"y": "float", "tab": "float", "params": "uint32_t", "codes1": "uint32_t", "codes2": "uint32_t"}
     out_types = {"codes1": "uint32_t", "codes2": "uint32_t", "out": "float"}
-    args = [f"    const {in_types[n]}* {n}" for n in inputs] + [f"    {out_types[n]}* {n}" for n in outputs]
-    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
-    return (f"{default_header}\n{header}namespace mlx::core::cu {{\n\nnamespace cg = cooperative_groups;\n\n"
-            f"__global__ void {name}(\n" + ",\n".join(args) + ") {\n" + consts + "\n" + body
-            + "\n}\n\n} // namespace mlx::core::cu\n")
+    return kernel_cache.translation_unit(name, header, body, [(n, in_types[n]) for n in inputs],
+                                         [(n, out_types[n]) for n in outputs], template,
+                                         default_header=default_header, extern_c=False)
 
 
 def _kernel(kind: str, dialect: str, two_stage: bool) -> Callable:
@@ -270,13 +269,26 @@ def _note(key: tuple, reason: str) -> None:
 
 def _run(codec, key: tuple, dialect: str, launch: Callable[[], Any], check: Callable[[], None]):
     try:
+        first = key not in _verified
+        if first:
+            kernel_cache.begin_launch_log()
         out = launch()
-        if key not in _verified:
+        if first:
             # first use of this configuration: build and run it now (errors surface here, not in a
-            # later mx.eval the caller cannot recover from), then compare with the reference
+            # later mx.eval the caller cannot recover from), then compare with the reference -- unless
+            # this machine checked these very binaries before (rvqstore.kernel_cache keeps the verdict)
+            vkey = kernel_cache.verdict_key("fused", key, kernel_cache.launched_binaries()) if SELF_CHECK else None
+            kept = kernel_cache.verdict(vkey)
+            if isinstance(kept, str):
+                raise RuntimeError(f"failed its first-use check on this machine before: {kept}")
             mx.eval(out)
-            if SELF_CHECK:
-                check()
+            if SELF_CHECK and kept is not True:
+                try:
+                    check()
+                except kernel_checks.CheckFailed as err:  # a disagreement (not an error on the way) is kept
+                    kernel_cache.record_verdict(vkey, False, str(err))
+                    raise
+                kernel_cache.record_verdict(vkey, True)
             with _lock:
                 _verified.add(key)
         return out

@@ -11,6 +11,10 @@ import numpy as np
 
 from .kernel_plan import Plan
 
+
+class CheckFailed(RuntimeError):
+    """A kernel disagrees with the reference (kept as the machine's verdict: rvqstore.kernel_cache)."""
+
 _SPECIAL = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 1.4e-45, -1.4e-45, 1.17549435e-38,
                      -1.17549435e-38, 3.4028235e38, -3.4028235e38, 1e30, -1e30, 1e-30, -1e-30, 100.0, -100.0],
                     dtype=np.float32)
@@ -65,7 +69,7 @@ def check_encode(codec, plan: Plan, dialect: str, launch_encode) -> None:
     got = launch_encode(plan, probe, dialect)
     ref = codec._quantize_reference(probe)  # uncompiled: no JIT compile of the reference per configuration
     if not _same(got[0], ref[0]) or (ref[1] is not None and not _same(got[1], ref[1])):
-        raise RuntimeError("encode kernel disagrees with the reference on the boundary probe")
+        raise CheckFailed("encode kernel disagrees with the reference on the boundary probe")
 
 
 def check_decode(codec, plan: Plan, dialect: str, launch_decode) -> None:
@@ -81,7 +85,7 @@ def check_decode(codec, plan: Plan, dialect: str, launch_decode) -> None:
     got = launch_decode(plan, c1, c2, dialect)
     ref = _reference_dequantize(codec, c1, c2)
     if not _same(got, ref):
-        raise RuntimeError("decode kernel disagrees with the reference on random codes")
+        raise CheckFailed("decode kernel disagrees with the reference on random codes")
 
 
 def _reference_dequantize(codec, codes1, codes2):

@@ -31,7 +31,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from .. import fused
+from .. import fused, kernel_cache
 from . import masks, ops
 from .view import CodesView
 
@@ -79,7 +79,7 @@ def _kernel(dialect: str, name: str = "attend"):
     if k is None:
         header, body = sources(dialect, name)
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
-        make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+        make = mx.fast.metal_kernel if dialect == "metal" else kernel_cache.cuda_kernel  # CUDA: kept on disk
         io = {"attend": (["q", "qsg", "ks", "k1", "k2", "vs", "v1", "v2", "tab", "cnt", "params"], ["o", "ml"]),
               "merge": (["o", "ml", "vsg", "params"], ["out"])}[name]
         k = _kernels[key] = make(name=f"rvq_attend_{name}_{digest}", input_names=io[0], output_names=io[1],

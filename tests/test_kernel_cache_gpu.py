@@ -1,0 +1,161 @@
+"""rvqstore.kernel_cache on a CUDA device: the precompiled kernels equal MLX's JIT ones, across processes.
+
+Parity: a workload (packed and resident caches at several bits, head dims and dtypes; attention with and
+without a window; the codec's fused encode and decode) runs with every kernel call recorded; each
+recorded call is then launched twice more, from the cached binary (``mx.fast.precompiled_cuda_kernel``)
+and through ``mx.fast.cuda_kernel`` with the same source, and the outputs must be bit-identical. With
+RVQ_KERNEL_CACHE_PARITY_REPORT=path each comparison appends a line there
+(tools/results/gpu-parity-kernel-cache.txt).
+
+Across processes: a fresh process fills an empty cache directory (NVRTC, first-use checks run and
+kept); a second compiles nothing, loads every kernel from the files and skips the checks; a corrupt file
+is ignored and rebuilt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from rvqstore import RVQCodec, RVQKVCache, fused, kernel_cache
+from subprocess_env import python_path
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[1]
+REPORT = os.environ.get("RVQ_KERNEL_CACHE_PARITY_REPORT")
+
+
+def _cuda():
+    if fused.gpu_backend() != "cuda":
+        pytest.skip("the kernel cache serves CUDA only")
+
+
+def _same(a: mx.array, b: mx.array) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}[a.dtype.size]
+    return bool(mx.array_equal(a.view(bits), b.view(bits)).item())
+
+
+def _workload():
+    rng = np.random.default_rng(0)
+    for bits, d, dtype, hkv, g, window, mode in [((2, 2), 128, mx.float16, 8, 4, 0, "packed"),
+                                                 ((4, 2), 128, mx.bfloat16, 2, 4, 0, "packed"),
+                                                 ((2, 2), 64, mx.float16, 2, 8, 16, "packed"),
+                                                 ((2, 2), 128, mx.float16, 2, 4, 0, "resident"),
+                                                 ((1, 1), 64, mx.float32, 2, 1, 0, "packed")]:
+        c = RVQKVCache(bits, mode=mode, dense_window=window, flush_block=8)
+        k = mx.array(rng.standard_normal((1, hkv, 300, d)).astype(np.float32)).astype(dtype)
+        c.update_and_fetch(k, k * 0.5)
+        for t in range(3):
+            kk, vv = c.update_and_fetch(k[:, :, t:t + 1], k[:, :, t + 1:t + 2])
+            mx.eval(kk, vv)
+        q = mx.array(rng.standard_normal((1, hkv * g, 1, d)).astype(np.float32)).astype(dtype)
+        mx.eval(c.attend_on_codes(q, scale=d ** -0.5))
+    for bits, d in [((2, 2), 128), ((3, 1), 96), ((4, 0), 64)]:
+        codec = RVQCodec(d, bits)
+        x = mx.array(rng.standard_normal((37, d)).astype(np.float32))
+        mx.eval(codec.decode(codec.encode(x)))
+
+
+def test_gpu_precompiled_kernels_equal_the_jit_kernels(monkeypatch, tmp_path):
+    _cuda()
+    monkeypatch.setenv(kernel_cache.ENV, str(tmp_path / "kc"))
+    calls: dict = {}
+    real = kernel_cache.CudaKernel.__call__
+
+    def record(self, **kw):
+        key = (self.name, tuple(kw.get("template") or []), tuple(a.dtype for a in kw["inputs"]))
+        calls.setdefault(key, (self, kw))
+        return real(self, **kw)
+
+    monkeypatch.setattr(kernel_cache.CudaKernel, "__call__", record)
+    _workload()
+    monkeypatch.setattr(kernel_cache.CudaKernel, "__call__", real)
+    names = {k[0].rsplit("_", 1)[0] for k in calls}
+    for kind in ("rvq_encode", "rvq_decode", "rvq_append", "rvq_append_res", "rvq_append_copy", "rvq_unpack",
+                 "rvq_attend_attend", "rvq_attend_merge"):
+        assert any(n == kind or n.startswith(kind + "2") or n.startswith(kind + "1") for n in names), (kind, names)
+    failed = []
+    for (name, template, _), (kern, kw) in calls.items():
+        pre = kern(**kw)
+        assert kern.precompiled() > 0, f"{name} did not launch from a cached binary"
+        jit = kern.jit()(**kw)
+        mx.eval(pre, jit)
+        if "_copy" in name:  # whole new buffers: only the first n + t tokens are written (the rest is capacity)
+            rows = int(kw["inputs"][7][0].item()) + int(kw["inputs"][6][1].item())  # cnt = [n]; params [nk, t, ..]
+            pre, jit = [a[:, :, :rows] for a in pre], [a[:, :, :rows] for a in jit]
+        ok = all(_same(a, b) for a, b in zip(pre, jit))
+        if REPORT:
+            with open(REPORT, "a") as f:
+                f.write(f"{name}\t{'pass' if ok else 'FAIL'}\t{dict(template)}\n")
+        if not ok:
+            failed.append((name, template))
+    assert not failed, failed
+
+
+def _fresh_process(cache: Path, extra: str = "") -> dict:
+    code = f"""
+import json, mlx.core as mx
+from rvqstore import RVQKVCache, kernel_cache
+c = RVQKVCache((2, 2))
+k = mx.random.normal((1, 2, 64, 128)).astype(mx.float16)
+c.update_and_fetch(k, k)
+c.update_and_fetch(k[:, :, :1], k[:, :, :1])
+mx.eval(c.state, c.attend_on_codes(mx.random.normal((1, 8, 1, 128)).astype(mx.float16), scale=0.1))
+{extra}
+print(json.dumps(kernel_cache.stats))
+"""
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT), **{kernel_cache.ENV: str(cache)})
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_gpu_a_second_process_compiles_nothing_and_skips_the_checks(tmp_path):
+    _cuda()
+    first = _fresh_process(tmp_path)
+    assert first["compiled"] >= 4 and first["loaded"] == 0 and first["jit_launches"] == 0
+    files = sorted(p.name for p in (tmp_path / mx.__version__).iterdir())
+    assert sum(f.endswith(".bin") for f in files) == first["compiled"]
+    assert any(f.endswith(".verdict") for f in files)
+    second = _fresh_process(tmp_path)
+    assert second["compiled"] == 0 and second["loaded"] >= 4 and second["jit_launches"] == 0
+    assert second["verdicts_kept"] >= 2
+    # damaged files are not used: compiled again and replaced
+    for victim in (tmp_path / mx.__version__).glob("*.bin"):
+        data = bytearray(victim.read_bytes())
+        data[-100] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    third = _fresh_process(tmp_path)
+    assert third["compiled"] == second["loaded"] and third["loaded"] == 0 and third["jit_launches"] == 0
+    assert all(kernel_cache._unpack(p.stem, p.read_bytes()) is not None
+               for p in (tmp_path / mx.__version__).glob("*.bin"))
+
+
+def test_gpu_without_nvrtc_the_kernels_still_run_through_mlx(tmp_path):
+    _cuda()
+    code_break = ("import rvqstore.kernel_cache as kc\n"
+                  "def _no(*a, **k):\n    raise kc.NvrtcError('no NVRTC here')\n"
+                  "kc.compile_source = _no\n")
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT), **{kernel_cache.ENV: str(tmp_path / "broken")})
+    code = code_break + """
+import json, mlx.core as mx
+from rvqstore import RVQKVCache, cache_append, kernel_cache
+c = RVQKVCache((2, 2))
+k = mx.random.normal((1, 2, 64, 128)).astype(mx.float16)
+c.update_and_fetch(k, k)
+mx.eval(c.state, c.attend_on_codes(mx.random.normal((1, 8, 1, 128)).astype(mx.float16), scale=0.1))
+print(json.dumps([kernel_cache.stats, cache_append.disabled()]))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    st, disabled = json.loads(r.stdout.strip().splitlines()[-1])
+    assert st["compiled"] == 0 and st["loaded"] == 0 and st["jit_launches"] > 0 and disabled == {}
