@@ -7,7 +7,7 @@
 
 Seeds are the valid test vectors in ``format_spec/vectors/valid`` and real snapshots written by
 ``save_prompt_cache`` (attention layers with dense tails and zstd, a wrapped sliding window, a
-recurrent state).  Two kinds of mutation:
+recurrent state, a cache with codec state: sink positions and a key mean).  Two kinds of mutation:
 
 * byte level: bit flips, overwritten ranges, inserted/deleted/truncated/appended bytes;
 * header level: decode the header, replace a value somewhere (by a hostile integer, a wrong type, a
@@ -15,8 +15,10 @@ recurrent state).  Two kinds of mutation:
   schema and layout checks instead of stopping at the header checksum.
 
 :func:`load_everything` is the property: it opens the file, verifies every section (checksums,
-padding, zstd frames), reads every layer and decodes the codes with the codec.  It returns ``"ok"``
-or the name of the :class:`FormatError` subclass raised; any other exception propagates (a bug).
+padding, zstd frames), reads every layer and decodes the codes with the codec; a file with codec
+state (format 1.2) is then loaded into caches too (``load_prompt_cache``: sinks, key mean and codes
+checked together by the cache).  It returns ``"ok"`` or the name of the :class:`FormatError`
+subclass raised; any other exception propagates (a bug).
 The tests (``tests/test_format_fuzz.py``, ``tests/test_format_mutations.py``) use the same functions.
 """
 
@@ -70,6 +72,11 @@ def snapshot_seeds() -> dict[str, bytes]:
         p = os.path.join(d, "b.rvq")
         rvqstore.save_prompt_cache(p, [attn, ring, state], tokens=list(range(12)), bits=(2, 1))
         out["snapshot_kinds.rvq"] = Path(p).read_bytes()
+        centered = rvqstore.RVQKVCache(bits=(2, 2), dense_window=2, flush_block=4, sink_tokens=2, center_keys=True)
+        centered.update_and_fetch(k + 0.5, k * 0.5)
+        p = os.path.join(d, "c.rvq")
+        rvqstore.save_prompt_cache(p, [centered], tokens=list(range(12)), compress="auto")
+        out["snapshot_codec_state.rvq"] = Path(p).read_bytes()
     return out
 
 
@@ -94,6 +101,11 @@ def load_everything(path: str | os.PathLike, *, decode: bool = True) -> str:
             for layer in f.layers:
                 f.layer_arrays(layer.index)
             f.tokens()
+            state = "codec-state" in f.header.required_features
+        if decode and state:  # sinks and mean reach the cache: a typed error or caches, nothing else
+            from rvqstore import load_prompt_cache
+
+            load_prompt_cache(path)
         return "ok"
     except FormatError as e:
         assert str(e).startswith(os.fspath(path)), f"error message does not name the file: {e}"
