@@ -76,7 +76,7 @@ def _joined(old: mx.array | None, new: mx.array, dtype: mx.Dtype) -> mx.array:
 class CodecState:
     """The sink tokens and the key mean of one cache (see the module docstring)."""
 
-    __slots__ = ("sink_tokens", "center_keys", "sink_keys", "sink_values", "key_mean", "_mean32")
+    __slots__ = ("sink_tokens", "center_keys", "sink_keys", "sink_values", "key_mean", "_mean32", "_front")
 
     def __init__(self, sink_tokens: int, center_keys: bool):
         self.sink_tokens = sink_tokens
@@ -85,6 +85,7 @@ class CodecState:
         self.sink_values: mx.array | None = None
         self.key_mean: mx.array | None = None  # (B, H, Dk)
         self._mean32: mx.array | None = None  # key_mean as float32 (B, H, 1, Dk), broadcast over tokens
+        self._front: tuple | None = None  # the sink as attention reads it, made once per sink and mean
 
     @classmethod
     def make(cls, sink_tokens: Any, center_keys: Any) -> "CodecState | None":
@@ -106,6 +107,7 @@ class CodecState:
             return keys, values
         self.sink_keys = _joined(self.sink_keys, keys[:, :, :k], dtype)
         self.sink_values = _joined(self.sink_values, values[:, :, :k], dtype)
+        self._front = None
         return keys[:, :, k:], values[:, :, k:]
 
     def centered(self, keys: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -120,6 +122,7 @@ class CodecState:
     def _set_mean(self, mean: mx.array | None) -> None:
         self.key_mean = mean
         self._mean32 = None if mean is None else mean.astype(mx.float32)[:, :, None, :]
+        self._front = None
 
     @property
     def mean32(self) -> mx.array | None:
@@ -146,16 +149,18 @@ class CodecState:
     def attention_window(self, dk: mx.array | None, dv: mx.array | None) -> tuple:
         """The full-precision part of the attention view: the sink, then the window ``dk``/``dv``; keys
         minus the mean when the coded keys are read without it (float32 then)."""
-        if self.sink_keys is not None:  # every attention path reads this part as float32
-            sk, sv = self.sink_keys.astype(mx.float32), self.sink_values.astype(mx.float32)
-            if dk is None:
-                dk, dv = sk, sv
-            else:
-                dk = mx.concatenate([sk, dk.astype(mx.float32)], axis=2)
-                dv = mx.concatenate([sv, dv.astype(mx.float32)], axis=2)
-        if dk is not None and self._mean32 is not None:
-            dk = dk.astype(mx.float32) - self._mean32
-        return dk, dv
+        if self.sink_keys is None:
+            return (dk, dv) if dk is None or self._mean32 is None else (dk.astype(mx.float32) - self._mean32, dv)
+        if self._front is None:  # every attention path reads this part as float32; fixed once the sink is full
+            sk = self.sink_keys.astype(mx.float32)
+            self._front = (sk if self._mean32 is None else sk - self._mean32, self.sink_values.astype(mx.float32))
+        if dk is None:
+            return self._front
+        dk = dk.astype(mx.float32)
+        if self._mean32 is not None:
+            dk = dk - self._mean32
+        return (mx.concatenate([self._front[0], dk], axis=2),
+                mx.concatenate([self._front[1], dv.astype(mx.float32)], axis=2))
 
     def attention_mask(self, mask: Any, n_queries: int, n_coded: int, n_window: int) -> Any:
         """``mask`` (None, ``"causal"`` or an array over the true key positions) for the view's key order
@@ -187,6 +192,7 @@ class CodecState:
         if keep < self.n_sink:
             self.sink_keys = self.sink_keys[:, :, :keep] if keep else None
             self.sink_values = self.sink_values[:, :, :keep] if keep else None
+            self._front = None
         if n_coded == 0:
             self._set_mean(None)
 
@@ -231,5 +237,5 @@ class CodecState:
             raise InputShapeError("key_mean holds NaN or Inf")
         if n_sink:
             self.sink_keys, self.sink_values = sink[0], sink[1]
-        self._set_mean(key_mean)
+        self._set_mean(key_mean)  # (and forgets the attention view's sink)
         return n_sink
