@@ -93,13 +93,14 @@ def test_key_mean_comes_from_the_first_coded_tokens_not_the_sink():
 
 
 # ---- the contract's arithmetic ---------------------------------------------------------------------------
-def _expected(codec, sink_k, sink_v, coded_k, coded_v, mean, dtype):
+def _expected(codec, sink_k, sink_v, coded_k, coded_v, mean, dtype, value_codec=None):
     """What the state design says the cache hands out: [sink, dtype(f32(dec) + f32(mean)), ...]."""
     m = mean.astype(mx.float32)[:, :, None]
     kc = (coded_k.astype(mx.float32) - m).astype(dtype)
     dk = codec.decode(codec.encode(kc, check_finite=False))
     dk = (dk.astype(mx.float32) + m).astype(dtype)
-    dv = codec.decode(codec.encode(coded_v, check_finite=False))
+    value_codec = value_codec or codec
+    dv = value_codec.decode(value_codec.encode(coded_v, check_finite=False))
     return (mx.concatenate([sink_k.astype(dtype), dk], axis=2), mx.concatenate([sink_v.astype(dtype), dv], axis=2))
 
 
@@ -120,6 +121,19 @@ def test_sink_longer_than_the_first_update(dtype, mode):
     assert _same(c.key_mean, mx.mean(keys[:, :, 5:7].astype(mx.float32), axis=2).astype(sdt))
     want = _expected(RVQCodec(64, (2, 2)), c.sink_keys, c.sink_values, keys[:, :, 5:], values[:, :, 5:],
                      c.key_mean, dtype)
+    assert _same(got[0], want[0]) and _same(got[1], want[1])
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+def test_keys_and_values_coded_apart(mode):
+    """Different head dims (as latent-attention models) and value bits: the unjoint paths."""
+    c = RVQKVCache((4, 2), value_bits=(2, 2), mode=mode, sink_tokens=1, center_keys=True)
+    k, _ = _kv(7, 5)
+    _, v = _kv(7, 6, d=32)
+    c.update_and_fetch(k[:, :, :4], v[:, :, :4])
+    got = c.update_and_fetch(k[:, :, 4:], v[:, :, 4:])
+    want = _expected(RVQCodec(64, (4, 2)), c.sink_keys, c.sink_values, k[:, :, 1:], v[:, :, 1:], c.key_mean,
+                     mx.float32, RVQCodec(32, (2, 2)))
     assert _same(got[0], want[0]) and _same(got[1], want[1])
 
 
@@ -155,8 +169,9 @@ def test_window_with_state_and_modes_agree(mode):
     assert _same(c.key_mean, mx.mean(keys[:, :, 3:9], axis=2).astype(mx.float16))
 
 
-def test_trim_into_the_sink_and_back():
-    kw = dict(sink_tokens=3, center_keys=True)
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+def test_trim_into_the_sink_and_back(mode):
+    kw = dict(sink_tokens=3, center_keys=True, mode=mode)
     c = RVQKVCache((4, 2), **kw)
     k, v = _kv(10, 30)
     c.update_and_fetch(k, v)
@@ -294,7 +309,7 @@ def test_mlx_lm_save_and_load_round_trip(tmp_path):
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
     caches = [RVQKVCache((4, 2), sink_tokens=2, center_keys=True, mode="resident", dense_window=2, flush_block=2),
-              RVQKVCache((2, 2), value_bits=(2, 1), step=0.3, value_step=0.4, sink_tokens=1),
+              RVQKVCache((2, 2), value_bits=(2, 1), step=0.3, value_step=0.4, sink_tokens=1, center_keys=True),
               RVQKVCache((4, 2), center_keys=True)]  # empty
     for c in caches[:2]:
         c.update_and_fetch(*_kv(9, 100))
