@@ -212,6 +212,23 @@ def test_resume_and_continue_equals_the_uninterrupted_cache(llama, tmp_path, dty
     assert fresh.reused == 0 and all((c.sink_tokens, c.center_keys, c.offset) == (1, True, 0) for c in fresh.cache)
 
 
+def test_sliding_window_layers_keep_no_state_beside_layers_that_do(tmp_path):
+    from tiny_models import build
+
+    model = build("gemma3_text")[0]  # two sliding-window layers, then a full-attention one
+    caches = rvqstore.make_prompt_cache(model, (2, 2), sink_tokens=1, center_keys=True, flush_block=8)
+    prefill(model, TOKENS, caches)
+    path = tmp_path / "g.rvq"
+    rvqstore.save_prompt_cache(path, caches, tokens=TOKENS, model=model)
+    with F.open_rvq(path) as f:
+        assert [(x.kind, x.sink_tokens, x.center_keys) for x in f.layers] == [
+            ("rvq-rotating", 0, False), ("rvq-rotating", 0, False), ("rvq", 1, True)]
+        assert f.header.required_features == ("zstd", "layer-kinds", "codec-state")
+    r = rvqstore.resume(path, TOKENS + [5], model)
+    assert r.reused == len(TOKENS)
+    assert list(greedy_tokens(model, r.cache, r.remaining, 4)) == list(greedy_tokens(model, caches, [5], 4))
+
+
 # ---- the vectors, decoded by the library --------------------------------------------------------------------
 def _bits_to_float(bits: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float32":
