@@ -1,4 +1,4 @@
-"""The ``.rvq`` container, version 1 (revisions 1.0 and 1.1): a spec'd, checksummed, lazily readable
+"""The ``.rvq`` container, version 1 (revisions 1.0, 1.1 and 1.2): a spec'd, checksummed, lazily readable
 file of KV-cache sections.
 
 The byte-level specification is ``format_spec/rvq-v1.md``.  Public API::

@@ -1,4 +1,4 @@
-"""Turning rvqstore caches into ``.rvq`` layer maps + sections and back (format 1.1 layer kinds).
+"""Turning rvqstore caches into ``.rvq`` layer maps + sections and back (format 1.1 layer kinds, 1.2 codec state).
 
 - :mod:`.encode`: caches -> layer maps, sections and the quantizer map(s)
 - :mod:`.decode`: layer maps + sections -> caches
