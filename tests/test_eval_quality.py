@@ -24,6 +24,7 @@ from quality import metrics as Q  # noqa: E402
 from quality import protocol as P  # noqa: E402
 from quality.store import RunStore  # noqa: E402
 from quality.texts import DEFAULT_TEXTS, Text, load_tokens, text_from_arg  # noqa: E402
+from rvqstore import RVQKVCache  # noqa: E402
 
 
 def rand(shape, seed, scale=1.0):
@@ -99,6 +100,21 @@ def test_method_bits_average_slots_and_count_sink_tokens():
     assert s.bits(30, 100) == pytest.approx((4 * 16 + 96 * 4.25) / 100)
     table = {(l, side): (4, 2) if l == 0 else (2, 2) for l in range(3) for side in M.SIDES}
     assert M.allocated(table, "a", "f").bits(3, 10) == pytest.approx((6.25 + 2 * 4.25) / 3)
+
+
+def test_method_bits_are_what_a_cache_with_codec_state_holds():
+    """Method.bits of a method with the sink token and the key mean: the bytes RVQKVCache keeps for
+    them (packed codes + norms, sink keys/values and the mean at 16 bits), per coordinate."""
+    rng = np.random.default_rng(3)
+    n, h, d = 40, 2, 64
+    for sink, center in ((1, True), (3, False), (0, True)):
+        m = M.variant(M.per_side(M.rvq((4, 1)), M.rvq((2, 2)), "x"), sink=sink, center_keys=center)
+        caches = [RVQKVCache((4, 1), value_bits=(2, 2), sink_tokens=sink, center_keys=center) for _ in range(3)]
+        for c in caches:
+            k, v = (mx.array(rng.standard_normal((1, h, n, d)).astype(np.float32)) for _ in range(2))
+            c.update_and_fetch(k, v)
+        held = sum(c.packed_nbytes for c in caches) * 8 / (3 * n * h * d * 2)
+        assert m.bits(3, n) == pytest.approx(held, rel=1e-9), (sink, center)
 
 
 def test_rotated_affine_is_an_isometry_around_the_quantizer():
@@ -396,6 +412,34 @@ def test_grid_files_best_is_measured_and_estimated_from_auto(tiny32):
     assert d[ESTIMATED_BEST] == pytest.approx(d["best"], rel=0.003)
     coarser = bits_on_disk(tiny32, CharTokenizer(), ids, M.grid_per_side(0.3, 0.8, "g", dim=32), ("best",))
     assert coarser["best"] < d["best"] - 0.5  # a doubled step: about a bit less per coordinate
+
+
+def test_codec_state_files_are_real_and_the_estimate_before_them_was_close(tiny32, monkeypatch):
+    """A grid method with the sink token and the key mean is sized by saving a real cache that holds the
+    state (format 1.2 codec-state); the estimate the presets were first fitted with (the coded tokens'
+    file plus the state sections, disk_bits.state_estimate) lands within 0.5% of it, and the state's
+    bytes are counted: the file is larger than the same codes' without the sink section, header
+    entries and mean."""
+    from quality import disk_bits as D
+
+    ids = [int(i) for i in np.random.default_rng(15).integers(3, 128, 256)]
+    base = M.grid_per_side(0.15, 0.4, "g", dim=32)
+    m = M.variant(base, sink=1, center_keys=True)
+    assert D.state_measured(m) and D.cache_holds_state()
+    real = D.bits_on_disk(tiny32, CharTokenizer(), ids, m, ("auto", "best"))
+    with monkeypatch.context() as mp:
+        mp.setattr(D, "cache_holds_state", lambda: False)
+        assert not D.state_measured(m)
+        est = D.bits_on_disk(tiny32, CharTokenizer(), ids, m, ("auto", "best"))
+    for mode in ("auto", "best"):
+        assert est[mode] == pytest.approx(real[mode], rel=0.005), (mode, est, real)
+    sink_only = D.bits_on_disk(tiny32, CharTokenizer(), ids, M.variant(base, sink=1), ("auto",))["auto"]
+    plain = D.bits_on_disk(tiny32, CharTokenizer(), ids, base, ("auto",))["auto"]
+    n_coords = 2 * 256 * 2 * 32 * 2  # layers x tokens x kv heads x head dim x sides
+    per_position = plain * n_coords / 8 / 256
+    sink_bytes = 2 * 2 * 2 * 32 * 2  # layers x sides x kv heads x head dim x 2 bytes
+    added = (sink_only - plain) * n_coords / 8  # the sink sections, their header rows, less one coded position
+    assert sink_bytes - per_position < added < sink_bytes + 4 * 200
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
