@@ -10,9 +10,10 @@ decoding. The arithmetic is fixed so that files hold the same thing (format_spec
 - the sink and the mean are held in the *state dtype*: bfloat16 for bfloat16 models, else float16; an
   array that is not finite after that cast (a float32 model's |x| > 65504) stays float32;
 - the mean is set once, at the first update that codes tokens: the float32 mean over the tokens that
-  update codes (axis 2), rounded to the state dtype; it never changes afterwards, except that a
-  ``trim`` back to no coded token drops it (a file holds a mean only beside coded tokens, so the cache
-  and its saved copy then take the same mean from the next coded tokens);
+  update codes (axis 2; vectors holding NaN or Inf left out), rounded to the state dtype; it never
+  changes afterwards, except that a ``trim`` back to no coded token drops it (a file holds a mean only
+  beside coded tokens, so the cache and its saved copy then take the same mean from the next coded
+  tokens);
 - keys are coded as ``dtype(float32(keys) - float32(mean))`` (the codec's scale bound is the model
   dtype's, so half-precision models round the centered keys to their dtype first; float32 models code
   ``float32(keys) - float32(mean)`` exactly), and a decoded key is ``dtype(float32(dec) + float32(mean))``
@@ -73,6 +74,18 @@ def _joined(old: mx.array | None, new: mx.array, dtype: mx.Dtype) -> mx.array:
     return mx.concatenate([old, part], axis=2)
 
 
+def _finite_mean(keys: mx.array) -> mx.array:
+    """The mean over axis 2 of float32 ``keys`` (B, H, T, D); vectors holding NaN or Inf (which code as
+    NaN anyway) are left out, so that one bad token cannot spoil every key coded after it (a head
+    without a finite vector gets 0: no centering)."""
+    mean = mx.mean(keys, axis=2)
+    if bool(mx.all(mx.isfinite(mean)).item()):
+        return mean
+    ok = mx.all(mx.isfinite(keys), axis=-1, keepdims=True)
+    total = mx.sum(mx.where(ok, keys, 0.0), axis=2)
+    return total / mx.maximum(mx.sum(ok, axis=2), 1).astype(mx.float32)
+
+
 class CodecState:
     """The sink tokens and the key mean of one cache (see the module docstring)."""
 
@@ -115,7 +128,7 @@ class CodecState:
         if not self.center_keys:
             return keys
         if self.key_mean is None:
-            self._set_mean(held(mx.mean(keys.astype(mx.float32), axis=2), dtype))
+            self._set_mean(held(_finite_mean(keys.astype(mx.float32)), dtype))
         out = keys.astype(mx.float32) - self._mean32
         return out if dtype == mx.float32 else out.astype(dtype)
 

@@ -137,6 +137,15 @@ def test_keys_and_values_coded_apart(mode):
     assert _same(got[0], want[0]) and _same(got[1], want[1])
 
 
+def test_a_non_finite_key_does_not_spoil_the_mean():
+    c = RVQKVCache((4, 2), center_keys=True)
+    k, v = _kv(6, 4)
+    bad = mx.concatenate([k[:, :, :2], mx.full((1, 2, 1, 64), float("nan")), k[:, :, 3:]], axis=2)
+    got = c.update_and_fetch(bad, v)[0]
+    assert _same(c.key_mean, mx.mean(mx.concatenate([k[:, :, :2], k[:, :, 3:]], axis=2), axis=2).astype(mx.float16))
+    assert bool(mx.all(mx.isnan(got[:, :, 2])).item()) and bool(mx.all(mx.isfinite(got[:, :, 3:])).item())
+
+
 def test_float32_sink_beyond_float16_stays_float32():
     c = RVQKVCache((4, 2), sink_tokens=2, center_keys=True)
     k, v = _kv(4, 3)
