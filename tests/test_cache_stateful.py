@@ -6,7 +6,8 @@ more than mlx-lm's, so trim is left to tests/test_cache_kinds.py.)
 
 Hypothesis drives random sequences of update (0-5 tokens, sometimes invalid), trim, state ->
 from_packed, and save -> load on an RVQKVCache (4+4 bits, packed or resident, with or without a
-full-precision window) and on a KVCache fed the same arrays. After every step: the same offset and
+full-precision window, with or without codec state: 2 sink tokens and the key mean) and on a KVCache
+fed the same arrays. After every step: the same offset and
 shapes, keys/values close to the KVCache's (the window's tokens exact), trim returning the same
 count; rebuilt and reloaded caches bit-identical to the one they came from; refused updates leaving
 everything as it was. Derandomized and bounded (a few seconds).
@@ -46,9 +47,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.saves = 0
 
     @initialize(mode=st.sampled_from(["packed", "resident"]), window=st.sampled_from([0, 3]),
-                dtype=st.sampled_from([mx.float32, mx.float16]), seed=st.integers(0, 2**16))
-    def start(self, mode, window, dtype, seed):
-        self.cache = RVQKVCache((4, 4), mode=mode, dense_window=window, flush_block=2)
+                dtype=st.sampled_from([mx.float32, mx.float16]), seed=st.integers(0, 2**16),
+                state=st.sampled_from([{}, {"sink_tokens": 2, "center_keys": True}]))
+    def start(self, mode, window, dtype, seed, state):
+        self.state = state  # codec state (rvqstore.cache_state)
+        self.cache = RVQKVCache((4, 4), mode=mode, dense_window=window, flush_block=2, **state)
         self.ref = KVCache()
         self.dtype = dtype
         self.rng = np.random.default_rng(seed)
@@ -80,7 +83,7 @@ class CacheMachine(RuleBasedStateMachine):
         else:  # only a fresh cache may take a new geometry (not "int32", not "rank")
             assert before[1] is None and bad in ("head dim", "heads")
             self.cache = RVQKVCache((4, 4), mode=self.cache.mode, dense_window=self.cache.dense_window,
-                                    flush_block=2)
+                                    flush_block=2, **self.state)
             return
         assert (self.cache.offset, self.cache.geometry, self.cache.dtype, self.cache.n_coded) == before
         if held is not None:
@@ -94,11 +97,12 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.cache.offset > 0)
     @rule()
     def state_round_trip(self):
-        ks, kc1, kc2, vs, vc1, vc2, dk, dv = self.cache.state
+        ks, kc1, kc2, vs, vc1, vc2, dk, dv = self.cache.state[:8]
         c = self.cache
         rebuilt = RVQKVCache.from_packed(
             keys=(ks, kc1, kc2), values=(vs, vc1, vc2), dense_keys=dk, dense_values=dv, dtype=c.dtype,
-            head_dims=c.geometry[2:], bits=c.codec_bits, mode=c.mode, dense_window=c.dense_window, flush_block=2)
+            head_dims=c.geometry[2:], bits=c.codec_bits, mode=c.mode, dense_window=c.dense_window, flush_block=2,
+            sink=None if c.sink_keys is None else (c.sink_keys, c.sink_values), key_mean=c.key_mean, **self.state)
         self._same(rebuilt, c)
         self.cache = rebuilt
 
@@ -119,7 +123,9 @@ class CacheMachine(RuleBasedStateMachine):
     def same_offset(self):
         if hasattr(self, "cache"):
             assert self.cache.offset == self.ref.offset == self.cache.size()
-            assert self.cache.n_coded + self.cache.n_dense == self.cache.offset
+            assert self.cache.n_sink + self.cache.n_coded + self.cache.n_dense == self.cache.offset
+            assert self.cache.n_sink == min(self.cache.offset, self.cache.sink_tokens)
+            assert (self.cache.key_mean is not None) == (self.cache.center_keys and self.cache.n_coded > 0)
 
     def _close(self, got: mx.array, want: mx.array) -> None:
         g, w = _np(got), _np(want)
@@ -132,8 +138,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     @staticmethod
     def _same(a: RVQKVCache, b: RVQKVCache) -> None:
-        assert (a.offset, a.n_coded, a.n_dense, a.geometry, a.dtype, a.mode) == \
-               (b.offset, b.n_coded, b.n_dense, b.geometry, b.dtype, b.mode)
+        assert (a.offset, a.n_sink, a.n_coded, a.n_dense, a.geometry, a.dtype, a.mode) == \
+               (b.offset, b.n_sink, b.n_coded, b.n_dense, b.geometry, b.dtype, b.mode)
         for x, y in zip(a.keys_and_values(), b.keys_and_values()):
             np.testing.assert_array_equal(_np(x), _np(y))
 
