@@ -469,7 +469,7 @@ class RVQKVCache:
         n, end = k.n, k.n + t
         self._write_codes(out, t)
         if decodes:
-            self._mode.write(n, end, out[6].astype(self.dtype), out[7].astype(self.dtype))
+            self._mode.write(self, n, end, out[6].astype(self.dtype), out[7].astype(self.dtype))
         return True
 
     def _decode_range(self, start: int, end: int) -> tuple[mx.array, mx.array]:
@@ -492,7 +492,7 @@ class RVQKVCache:
             dk, dv = self._dense_k.astype(self.dtype), self._dense_v.astype(self.dtype)
             k = dk if k is None else mx.concatenate([k, dk], axis=2)
             v = dv if v is None else mx.concatenate([v, dv], axis=2)
-        if self._state is not None:  # the sink goes in front
+        if self._state is not None and not (n and self._mode.sink_in_copy):  # the sink goes in front
             k, v = self._state.in_front(k, v, self.dtype)
         if k is None:  # nothing held yet: empty (B, H, 0, D) arrays, as mlx-lm's KVCache returns
             b, h, dk, dv = self.geometry

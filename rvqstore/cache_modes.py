@@ -72,6 +72,7 @@ class Packed(CodesOnly):
 
     __slots__ = ()
     stages_steps = False
+    sink_in_copy = False  # what coded() returns starts at the first coded token
 
     def coded(self, cache: Any, n: int) -> tuple[mx.array, mx.array]:
         """The first ``n`` coded tokens decoded: one launch (CUDA) or one compiled call sliced to the
@@ -158,10 +159,16 @@ class DecodedCopy:
 
 class Resident(DecodedCopy):
     """RVQKVCache's decoded copy: buffers grown in steps (like mlx-lm's KVCache), new tokens written
-    in place; a step's codes are staged and written in blocks (:meth:`rvqstore.cache._Stream.stage`)."""
+    in place; a step's codes are staged and written in blocks (:meth:`rvqstore.cache._Stream.stage`).
+
+    A cache with sink tokens (:mod:`rvqstore.cache_state`) has them in the copy's first ``front`` rows
+    (written whenever the copy starts over at coded token 0: the sink is complete and fixed while any
+    token is coded), so what an update hands back is one slice of the copy, never a concatenation of
+    the whole history; the keys' mean is added once, as tokens are decoded into the copy."""
 
     __slots__ = ("_written",)
     stages_steps = True  # attention reads the decoded copy, not the code buffers
+    sink_in_copy = True  # coded() returns the sink rows, then the coded tokens
 
     def __init__(self):
         super().__init__()
@@ -177,30 +184,46 @@ class Resident(DecodedCopy):
             return
         nk, nv = cache._decode_range(start, end)
         self.grow(cache, start, end)
-        self.keys[:, :, start:end] = nk
-        self.values[:, :, start:end] = nv
+        f = cache.sink_tokens
+        self.keys[:, :, f + start:f + end] = nk
+        self.values[:, :, f + start:f + end] = nv
+        if start == 0:
+            self._write_sink(cache)
+
+    def _write_sink(self, cache: Any) -> None:
+        if cache.sink_tokens:
+            f = cache.sink_tokens
+            self.keys[:, :, :f] = cache.sink_keys.astype(cache.dtype)
+            self.values[:, :, :f] = cache.sink_values.astype(cache.dtype)
 
     def coded(self, cache: Any, n: int) -> tuple[mx.array, mx.array]:
-        return self.keys[:, :, :n], self.values[:, :, :n]
+        """The sink rows (if any) and the first ``n`` coded tokens."""
+        f = cache.sink_tokens
+        return self.keys[:, :, :f + n], self.values[:, :, :f + n]
 
     def grow(self, cache: Any, keep: int, need: int) -> None:
-        """Room for ``need`` tokens (grown in steps of the streams' step), the first ``keep`` kept."""
-        cap = 0 if self.keys is None else self.keys.shape[2]
+        """Room for ``need`` tokens (grown in steps of the streams' step) after the sink rows, the first
+        ``keep`` (and the sink rows) kept."""
+        f = cache.sink_tokens
+        cap = 0 if self.keys is None else self.keys.shape[2] - f
         if need <= cap:
             return
         step = cache._keys.step
-        new_cap = -(-need // step) * step
+        new_cap = f + -(-need // step) * step
         b, h, dk, dv = cache.geometry
         rk, rv = mx.zeros((b, h, new_cap, dk), cache.dtype), mx.zeros((b, h, new_cap, dv), cache.dtype)
         if keep:
-            rk[:, :, :keep] = self.keys[:, :, :keep]
-            rv[:, :, :keep] = self.values[:, :, :keep]
+            rk[:, :, :f + keep] = self.keys[:, :, :f + keep]
+            rv[:, :, :f + keep] = self.values[:, :, :f + keep]
         self.keys, self.values = rk, rv
 
-    def write(self, start: int, end: int, keys: mx.array, values: mx.array) -> None:
+    def write(self, cache: Any, start: int, end: int, keys: mx.array, values: mx.array) -> None:
         """A step's decoded new tokens [start, end), from the same call that coded them."""
-        self.keys[:, :, start:end] = keys
-        self.values[:, :, start:end] = values
+        f = cache.sink_tokens
+        self.keys[:, :, f + start:f + end] = keys
+        self.values[:, :, f + start:f + end] = values
+        if start == 0:
+            self._write_sink(cache)
         self._written = True
 
     def step_decodes(self, cache: Any, need: int) -> bool:
@@ -208,7 +231,7 @@ class Resident(DecodedCopy):
         in the cache's dtype); if so, the copy is grown to ``need`` tokens for them."""
         if self.keys is None or self.keys.dtype != cache.dtype:
             return False
-        if self.keys.shape[2] < need:
+        if self.keys.shape[2] - cache.sink_tokens < need:
             self.grow(cache, cache._keys.n, need)
         return True
 
@@ -224,7 +247,7 @@ class Resident(DecodedCopy):
         self.grow(cache, n, n + t)
         cache._write_codes(out, t)
         dk = out[6] if cache._state is None else cache._state.restored(out[6], cache.dtype)  # key mean back
-        self.write(n, n + t, dk, out[7])
+        self.write(cache, n, n + t, dk, out[7])
         return True
 
 
