@@ -303,6 +303,26 @@ def test_attention_on_codes_with_state_matches_decode_then_sdpa(window):
     assert c.attend_on_codes(q, scale=0.125, mask="causal", sinks=mx.zeros((6,))) is None
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_gpu_kernel_model_with_state_matches_decode_then_sdpa(n):
+    """The GPU kernel's split partials (its MLX-ops model) merged by kernel.combine with the sink in the
+    window: what a GPU step computes for a cache with state (causal calls whose queries sit in the window)."""
+    from rvqstore.attention import kernel, ops
+
+    c = RVQKVCache((4, 2), sink_tokens=2, center_keys=True, dense_window=4, flush_block=2)
+    c.update_and_fetch(*_kv(300, 120, offset=6.0))
+    c.update_and_fetch(*_kv(n, 121, offset=6.0))
+    q = mx.array(np.random.default_rng(122).standard_normal((1, 6, n, 64)).astype(np.float32))
+    mask = None if n == 1 else "causal"
+    assert c._state.attention_mask(mask, n, c.n_coded, c.n_dense) == mask  # the kernel takes this call
+    view = c.codes_view()
+    q_rot = ops.rotate_queries(view, q, 0.125).reshape(1, 2, 3 * n, 64)
+    o, ml = kernel.partials_reference(view, q_rot, n, mask is not None)
+    got = kernel.combine(view, q, 0.125, o, ml, mask, None)
+    want = _sdpa(c, q, 0.125, mask)
+    assert float(mx.abs(got - want).max()) <= 2e-5 * float(mx.abs(want).max())
+
+
 def test_attention_on_codes_with_sink_tokens_and_learned_sinks():
     c = RVQKVCache((4, 2), sink_tokens=1)
     c.update_and_fetch(*_kv(12, 90))
