@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import mlx.core as mx
 import pytest
+
+# rvqstore.kernel_cache: the suite keeps compiled kernels and first-use verdicts in a directory of its own,
+# never the user's ~/.cache, so every run checks its kernels as a fresh machine does (subprocesses and the
+# OpenBLAS re-execution below inherit it)
+_KERNEL_CACHE = os.environ.get("RVQSTORE_KERNEL_CACHE", "")
+if not os.path.basename(_KERNEL_CACHE).startswith("rvqstore-test-kernels-"):
+    os.environ["RVQSTORE_KERNEL_CACHE"] = _KERNEL_CACHE = tempfile.mkdtemp(prefix="rvqstore-test-kernels-")
+atexit.register(shutil.rmtree, _KERNEL_CACHE, True)
 
 
 def gpu_backend_available() -> bool:

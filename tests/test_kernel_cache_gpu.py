@@ -136,8 +136,10 @@ def test_gpu_a_second_process_compiles_nothing_and_skips_the_checks(tmp_path):
         victim.write_bytes(bytes(data))
     third = _fresh_process(tmp_path)
     assert third["compiled"] == second["loaded"] and third["loaded"] == 0 and third["jit_launches"] == 0
-    assert all(kernel_cache._unpack(p.stem, p.read_bytes()) is not None
-               for p in (tmp_path / mx.__version__).glob("*.bin"))
+    # the files of the kernels it ran are whole again (checks skipped: the codec's encode kernel, which only the
+    # first process's checks ran, keeps its damaged file until a process needs it)
+    assert sum(kernel_cache._unpack(p.stem, p.read_bytes()) is not None
+               for p in (tmp_path / mx.__version__).glob("*.bin")) == third["compiled"]
 
 
 def test_gpu_without_nvrtc_the_kernels_still_run_through_mlx(tmp_path):
