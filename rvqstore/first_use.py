@@ -3,8 +3,9 @@
 The first call of each configuration runs the kernel and compares its result with the path it replaces;
 a kernel that cannot build, run or agree is switched off for that configuration (logged once) and the
 caller takes its other path. A verdict on kernels launched from rvqstore's kernel cache is kept per
-machine (a later process skips the comparison, which builds the replaced path too). Each kernel module keeps its own ``verified`` set, ``disabled`` map and
-lock (its ``disabled()`` reports them); :func:`serve` is the one place the rule is written.
+machine (a later process skips the comparison, which builds the replaced path too). Each kernel module
+keeps its own ``verified`` set, ``disabled`` map and lock (its ``disabled()`` reports them); :func:`serve`
+is the one place the rule is written.
 """
 
 from __future__ import annotations

@@ -378,8 +378,10 @@ def begin_launch_log() -> None:
 
 
 def launched_binaries() -> tuple[str, ...]:
-    """The keys of the cached binaries launched since :func:`begin_launch_log` (in order, no repeats)."""
+    """The keys of the cached binaries launched since :func:`begin_launch_log` (in order, no repeats); ends
+    the log (a decode loop's launches are not noted)."""
     keys = getattr(_launched, "keys", None) or []
+    _launched.keys = None
     return tuple(dict.fromkeys(keys))
 
 
@@ -461,7 +463,7 @@ class CudaKernel:
                     log_.append(entry[2])
                 return out
             except Exception as err:
-                if out is not None and _TRACING in str(err):  # inside mx.compile: the launch is fine, it is evaluated later
+                if out is not None and _TRACING in str(err):  # inside mx.compile: evaluated later, by the caller
                     return out
                 log.warning("kernel cache: precompiled %s failed (%s: %s); MLX compiles it instead",
                             self.name, type(err).__name__, str(err)[:300])

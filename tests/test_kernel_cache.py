@@ -154,6 +154,8 @@ def test_a_cached_binary_is_launched_with_mlx_s_argument_convention(cache, monke
     assert kw["name"] == sym and kw["compiled_source"] == kc.read_binary(kc.binary_key(tu, "sm_90a nvrtc 13.0"))[1]
     assert kw["scalars"] == [] and kw["ensure_row_contiguous"] is True and kw["grid"] == (32, 1, 1)
     assert len(kc.launched_binaries()) == 1
+    _call(k)
+    assert kc.launched_binaries() == ()  # the log ended: later launches are not noted
     _call(k, dtype=mx.float16)  # another configuration: another translation unit
     assert len(compiled) == 2 and "const __half* x" in compiled[1]
 
