@@ -652,14 +652,16 @@ class RVQKVCache:
             dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}[m["dtype"]]
             head_dims = (int(m["key_head_dim"]), int(m["value_head_dim"]))
         except (KeyError, ValueError) as err:
-            raise InvalidArgumentError(f"RVQKVCache.from_state: malformed settings {tuple(meta_state)}: {err}") from None
+            raise InvalidArgumentError(f"RVQKVCache.from_state: malformed settings {tuple(meta_state)}: "
+                                       f"{err}") from None
         if len(state) != 11:
             raise InvalidArgumentError(f"RVQKVCache.from_state: a state of 11 arrays expected, got {len(state)}")
         c = cls.from_packed(keys=tuple(state[0:3]), values=tuple(state[3:6]), dense_keys=state[6],
                             dense_values=state[7], dtype=dtype, head_dims=head_dims,
                             sink=None if state[8] is None else (state[8], state[9]), key_mean=state[10], **kwargs)
         if c.offset != offset:
-            raise InputShapeError(f"RVQKVCache.from_state: the arrays hold {c.offset} tokens, the settings say {offset}")
+            raise InputShapeError(f"RVQKVCache.from_state: the arrays hold {c.offset} tokens, the settings say "
+                                  f"{offset}")
         return c
 
     @classmethod
