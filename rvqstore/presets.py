@@ -67,13 +67,17 @@ class Preset:
     step_scale: float | None = None
     sink_tokens: int = 0
     center_keys: bool = False
+    profile_state: bool = True
 
-    def state(self, grid: bool = True) -> dict:
+    def state(self, profile: Any = None, grid: bool = True) -> dict:
         """The codec state the preset's caches hold (``RVQKVCache(sink_tokens=, center_keys=)``): the
         first ``sink_tokens`` positions kept exact and, with ``center_keys``, a per-head key mean taken
-        out before coding. Only the grid forms carry it (their steps are fitted with its bytes counted);
-        the Lloyd–Max forms (``grid=False``) keep their earlier settings, fitted without it."""
-        if not grid or self.key_step is None or not (self.sink_tokens or self.center_keys):
+        out before coding. Only grid forms carry it (their steps are fitted with its bytes counted), the
+        profile form only when ``profile_state``; the Lloyd–Max forms (``grid=False``) keep their earlier
+        settings, fitted without it."""
+        if not self.uses_grid(profile, grid) or not (self.sink_tokens or self.center_keys):
+            return {}
+        if profile is not None and not self.profile_state:
             return {}
         return {"sink_tokens": self.sink_tokens, "center_keys": self.center_keys}
 
@@ -126,7 +130,7 @@ class Preset:
         from .prompt_cache import make_prompt_cache
 
         (kb, ks), _ = self.sides(grid)
-        state = self.state(grid)
+        state = self.state(profile, grid)
         caches = make_prompt_cache(model, kb, step=ks, **state, **kwargs)
         settings = self.layer_settings(len(caches), profile, grid)
         # both sides of a setting are grids or neither (value_step=None would mean "the keys' step")
@@ -136,17 +140,24 @@ class Preset:
 
 # Budgets are on disk. Each preset keeps its Lloyd–Max settings (key_bits/value_bits, alloc_target: the
 # previous revision's presets, measured with compress="auto") and, chosen over them on the pooled tuning
-# texts, uniform grids: steps per side (keys at 0.38 of the values' step, the study's optimum) and the
-# allocation's scale, each the finest whose files (compress="best", the 512-token cached halves of the
-# three tuning texts) all stay within the budget (tools/eval_quality.py --fit / --fit-grid;
-# tools/results/quality-fit-grid-smollm2.json). Figures: docs/quality.md.
+# texts, uniform grids: steps per side (keys at 0.38 of the values' step, the study's optimum; 0.55, tried
+# with the key mean, was no better) and the allocation's scale, each the finest whose files
+# (compress="best", the 512-token cached halves of the three tuning texts) all stay within the budget
+# (tools/eval_quality.py --fit / --fit-grid; tools/results/quality-fit-grid-smollm2.json). The per-side
+# grids carry the codec state (the first token exact, the key mean taken out: sink_tokens=1,
+# center_keys=True; steps refitted with its bytes counted, tools/results/quality-fit-grid-state-smollm2.json):
+# it lowered the token KL of every preset, pooled and on the held-aside text. With the SmolLM2 profile
+# (measured without state) only `small` takes it; on `balanced` and `near-lossless` the allocation with
+# the state was worse (Δppl +2.4% against +2.1%, token KL 0.0040 against 0.0020). Figures: docs/quality.md.
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("near-lossless", (4, 2), (4, 2), 6.0, 6.32, "<= 6 bits/coord on disk: token KL a few thousandths",
-           key_step=0.04404, value_step=0.1159, step_scale=0.0533),
+           key_step=0.0475, value_step=0.125, step_scale=0.0533, sink_tokens=1, center_keys=True,
+           profile_state=False),
     Preset("balanced", (4, 1), (2, 2), 4.5, 4.74, "<= 4.5 bits/coord on disk: ahead of rotated 4-bit affine",
-           key_step=0.1246, value_step=0.3278, step_scale=0.1474),
+           key_step=0.1346, value_step=0.3543, step_scale=0.1474, sink_tokens=1, center_keys=True,
+           profile_state=False),
     Preset("small", (2, 1), (1, 1), 3.0, 3.16, "<= 3 bits/coord on disk: the smallest usable cache",
-           key_step=0.3648, value_step=0.96, step_scale=0.42),
+           key_step=0.3963, value_step=1.043, step_scale=0.4542, sink_tokens=1, center_keys=True),
 )}
 
 

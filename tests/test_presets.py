@@ -108,20 +108,44 @@ def test_preset_snapshot_roundtrip_and_resume(tiny, tmp_path, name):
     preset's compress mode, a load (bit for bit) and a resume."""
     p = presets.get(name)
     (kb, ks), (vb, vs) = p.sides()
+    st = p.state()
+    state = (st.get("sink_tokens", 0), st.get("center_keys", False))
     caches = presets.make_cache(tiny, name)
     assert all(type(c) is RVQKVCache and (c.codec_bits, c.value_bits, c.step, c.value_step) == (kb, vb, ks, vs)
-               for c in caches)
+               and (c.sink_tokens, c.center_keys) == state for c in caches)
     toks = [int(i) for i in np.random.default_rng(1).integers(3, 128, 30)]
     prefill(tiny, toks, caches)
+    # the codec state is held: the first positions exact (16-bit), a key mean when centering
+    assert all(c.n_sink == state[0] and (c.key_mean is not None) == state[1] for c in caches)
     path = tmp_path / "p.rvq"
     rvqstore.save_prompt_cache(path, caches, tokens=toks, model=tiny, compress=p.compress())
     back = rvqstore.load_prompt_cache(path, model=tiny)
     for a, b in zip(caches, back):
         assert (b.codec_bits, b.value_bits, b.step, b.value_step) == (kb, vb, ks, vs)
+        assert (b.sink_tokens, b.center_keys, b.n_sink) == (*state, state[0])
         for x, y in zip(a.keys_and_values(), b.keys_and_values()):
             assert np.array_equal(np.array(x), np.array(y))
     r = rvqstore.resume(path, toks + [5, 6], tiny)
-    assert r.reused == 30 and all((c.value_bits, c.value_step) == (vb, vs) for c in r.cache)
+    assert r.reused == 30 and all((c.value_bits, c.value_step, c.sink_tokens, c.center_keys) == (vb, vs, *state)
+                                  for c in r.cache)
+
+
+def test_only_the_grid_forms_carry_codec_state(tiny):
+    """Presets with state give it to their grid caches (with a profile too where ``profile_state``);
+    their Lloyd–Max forms (grid=False), fitted without it, stay as they were. At least one preset
+    carries state."""
+    with_state = [n for n, p in presets.PRESETS.items() if p.state()]
+    assert with_state
+    sens = {(l, s): 1.0 + l for l in range(len(tiny.layers)) for s in "kv"}
+    for name in with_state:
+        p = presets.get(name)
+        assert p.state() == {"sink_tokens": p.sink_tokens, "center_keys": p.center_keys} and p.state(grid=False) == {}
+        want = (p.sink_tokens, p.center_keys) if p.profile_state else (0, False)
+        assert p.state(sens) == ({"sink_tokens": p.sink_tokens, "center_keys": p.center_keys} if p.profile_state else {})
+        for c in presets.make_cache(tiny, name, profile=sens):
+            assert (c.sink_tokens, c.center_keys) == want
+        for c in presets.make_cache(tiny, name, grid=False):
+            assert (c.sink_tokens, c.center_keys, c.step) == (0, False, None)
 
 
 @pytest.mark.parametrize("name", list(presets.PRESETS))

@@ -85,13 +85,14 @@ def preset_rows(name: str) -> list[tuple[str, str, str]]:
             side = f"grid K s{ks:g} / V s{vs:g}"
         alloc = f"grid alloc {p.step_scale:g}" if grid and p.step_scale is not None else f"RVQ alloc {p.alloc_target:g}"
         tag = "" if grid or p.key_step is None else ", Lloyd–Max: grid=False"
-        st = p.state(grid)  # the evaluation names a method with codec state as quality.methods.variant does
-        tags = (["+mean K"] if st.get("center_keys") else []) + ([f"+sink {st['sink_tokens']}"] if st.get("sink_tokens") else [])
-        if tags:
-            side, alloc = f"{side} {' '.join(tags)}", f"{alloc} {' '.join(tags)}"
-            tag += ", sink token exact + key mean"
-        out += [(f"per side{tag}", side, p.compress(None, grid)),
-                (f"per layer+side, profile{tag}", alloc, p.compress("profile", grid))]
+        named = []
+        for label, name, profile in (("per side", side, None), ("per layer+side, profile", alloc, "profile")):
+            st = p.state(profile, grid)  # a method with codec state is named as quality.methods.variant names it
+            tags = (["+mean K"] if st.get("center_keys") else []) + \
+                ([f"+sink {st['sink_tokens']}"] if st.get("sink_tokens") else [])
+            state = ", sink token exact + key mean" if tags else ""
+            named.append((f"{label}{tag}{state}", f"{name} {' '.join(tags)}" if tags else name, p.compress(profile, grid)))
+        out += named
     return out
 
 
