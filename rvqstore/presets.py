@@ -24,14 +24,16 @@ against 0.04 s and 0.03 s with "auto"; docs/quality.md). ``grid=False`` selects 
 Lloyd–Max settings, which meet the same budgets with ``compress="auto"`` (zstd, milliseconds to
 load) at a higher token KL.
 
-The grid forms per side also hold **codec state** (``Preset.state()``: ``RVQKVCache(sink_tokens=1,
+The grid forms also hold **codec state** (``Preset.state()``: ``RVQKVCache(sink_tokens=1,
 center_keys=True)``: the first position kept exact, a per-head key mean taken out before coding; files
-store it, format 1.2 ``codec-state``), with steps refitted so that its bytes fit the same budgets. It
-lowered the pooled token KL by 21-23% at every budget and on every text, the held-aside one included:
-near-lossless 0.0019 -> 0.0015 at 5.99 bits, balanced 0.0155 -> 0.0120 (Δppl +3.0% -> +1.0%) at
-4.50, small 0.133 -> 0.105 at 2.99 (SmolLM2, 1,024 tokens per text, 512 scored). With a profile only
-``small`` takes it (``profile_state``): 0.119 -> 0.103; on the others the allocation, measured
-without state, did worse with it.
+store it, format 1.2 ``codec-state``), with steps refitted so that its bytes fit the same budgets
+(SmolLM2, 1,024 tokens per text, 512 scored; pooled token KL, held-aside text in brackets): per side
+near-lossless 0.0019 -> 0.0015 (0.0011 -> 0.00085) at 5.99 bits, balanced 0.0155 -> 0.0120, Δppl +3.0%
+-> +1.0% (0.0086 -> 0.0073) at 4.50, small 0.133 -> 0.105 (0.086 -> 0.062) at 2.99. With a profile, pass
+the one measured with that state (tools/results/quality-sensitivity-smollm2-state.json, which the scales
+are fitted to): near-lossless 0.0014, balanced 0.0113 (+0.9%), small 0.09997 (held aside 0.0008, 0.0065,
+0.059). A profile measured without state (quality-sensitivity-smollm2.json) still works but weighs the
+keys as if uncentred.
 """
 
 from __future__ import annotations
@@ -76,17 +78,13 @@ class Preset:
     step_scale: float | None = None
     sink_tokens: int = 0
     center_keys: bool = False
-    profile_state: bool = True
 
     def state(self, profile: Any = None, grid: bool = True) -> dict:
         """The codec state the preset's caches hold (``RVQKVCache(sink_tokens=, center_keys=)``): the
         first ``sink_tokens`` positions kept exact and, with ``center_keys``, a per-head key mean taken
-        out before coding. Only grid forms carry it (their steps are fitted with its bytes counted), the
-        profile form only when ``profile_state``; the Lloyd–Max forms (``grid=False``) keep their earlier
-        settings, fitted without it."""
+        out before coding. Only the grid forms carry it (their steps and scale are fitted with its bytes
+        counted); the Lloyd–Max forms (``grid=False``) keep their earlier settings, fitted without it."""
         if not self.uses_grid(profile, grid) or not (self.sink_tokens or self.center_keys):
-            return {}
-        if profile is not None and not self.profile_state:
             return {}
         return {"sink_tokens": self.sink_tokens, "center_keys": self.center_keys}
 
@@ -149,24 +147,21 @@ class Preset:
 
 # Budgets are on disk. Each preset keeps its Lloyd–Max settings (key_bits/value_bits, alloc_target: the
 # previous revision's presets, measured with compress="auto") and, chosen over them on the pooled tuning
-# texts, uniform grids: steps per side (keys at 0.38 of the values' step, the study's optimum; 0.55, tried
-# with the key mean, was no better) and the allocation's scale, each the finest whose files
-# (compress="best", the 512-token cached halves of the three tuning texts) all stay within the budget
-# (tools/eval_quality.py --fit / --fit-grid; tools/results/quality-fit-grid-smollm2.json). The per-side
-# grids carry the codec state (the first token exact, the key mean taken out: sink_tokens=1,
-# center_keys=True; steps refitted with its bytes counted, tools/results/quality-fit-grid-state-smollm2.json):
-# it lowered the token KL of every preset, pooled and on the held-aside text. With the SmolLM2 profile
-# (measured without state) only `small` takes it; on `balanced` and `near-lossless` the allocation with
-# the state was worse (Δppl +2.4% against +2.1%, token KL 0.0040 against 0.0020). Figures: docs/quality.md.
+# texts, uniform grids with codec state (the first token exact, the key mean taken out: sink_tokens=1,
+# center_keys=True): steps per side (keys at 0.38 of the values' step, the study's optimum; 0.55, tried
+# with the key mean, was no better) and the allocation's scale for the profile measured with that state
+# (tools/results/quality-sensitivity-smollm2-state.json), each the finest whose files (compress="best",
+# the 512-token cached halves of the three tuning texts, the state's sections counted) all stay within
+# the budget (tools/eval_quality.py --fit-grid --sink 1 --center-keys;
+# tools/results/quality-fit-grid-state-smollm2.json, quality-fit-grid-state-profile-smollm2.json).
+# Figures: docs/quality.md.
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("near-lossless", (4, 2), (4, 2), 6.0, 6.32, "<= 6 bits/coord on disk: token KL a few thousandths",
-           key_step=0.0475, value_step=0.125, step_scale=0.0533, sink_tokens=1, center_keys=True,
-           profile_state=False),
+           key_step=0.0475, value_step=0.125, step_scale=0.062, sink_tokens=1, center_keys=True),
     Preset("balanced", (4, 1), (2, 2), 4.5, 4.74, "<= 4.5 bits/coord on disk: ahead of rotated 4-bit affine",
-           key_step=0.1346, value_step=0.3543, step_scale=0.1474, sink_tokens=1, center_keys=True,
-           profile_state=False),
+           key_step=0.1346, value_step=0.3543, step_scale=0.1734, sink_tokens=1, center_keys=True),
     Preset("small", (2, 1), (1, 1), 3.0, 3.16, "<= 3 bits/coord on disk: the smallest usable cache",
-           key_step=0.3963, value_step=1.043, step_scale=0.4542, sink_tokens=1, center_keys=True),
+           key_step=0.3963, value_step=1.043, step_scale=0.495, sink_tokens=1, center_keys=True),
 )}
 
 

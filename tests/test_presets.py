@@ -12,7 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
-PROFILE = ROOT / "tools" / "results" / "quality-sensitivity-smollm2.json"
+PROFILE = ROOT / "tools" / "results" / "quality-sensitivity-smollm2.json"  # the Lloyd–Max forms' allocation
+STATE_PROFILE = ROOT / "tools" / "results" / "quality-sensitivity-smollm2-state.json"  # the grid forms' (codec state)
 
 import rvqstore  # noqa: E402
 from rvqstore import CodecConfigError, RVQCodec, RVQKVCache, presets  # noqa: E402
@@ -40,8 +41,9 @@ def test_presets_name_their_on_disk_budget_and_favour_keys(name, budget):
 @pytest.mark.model
 def test_preset_files_keep_their_on_disk_budget(smollm2, sample_tokens, tmp_path):
     """The promise itself: the keys and values of 512 tokens of real text (the bundled model, one
-    float32 prefill) coded by each preset, per side and per layer with the SmolLM2 profile, in both
-    forms (uniform grids; Lloyd–Max with grid=False), saved with the preset's compress mode, everything
+    float32 prefill) coded by each preset, per side and per layer with the SmolLM2 profile (for the grid
+    forms, which hold the codec state, the profile measured with it), in both forms (uniform grids with
+    the sink token and key mean; Lloyd–Max with grid=False), saved with the preset's compress mode, everything
     counted: within each preset's budget, and not far below it. One grid file is written with "best"
     for real; the others' "best" size is the estimate from their "auto" file that the evaluation fits
     with (tools/quality/disk_bits.best_from_auto, within 0.3% of the real file:
@@ -57,8 +59,9 @@ def test_preset_files_keep_their_on_disk_budget(smollm2, sample_tokens, tmp_path
     prefill(model, ids, exact)
     n_coords = len(ids) * len(model.layers) * model.args.num_key_value_heads * 64 * 2
     for name, p in presets.PRESETS.items():
-        for profile in (None, PROFILE):
+        for with_profile in (False, True):
             for grid in (True, False):
+                profile = (STATE_PROFILE if grid else PROFILE) if with_profile else None
                 caches = presets.make_cache(model, name, profile=profile, grid=grid)
                 for c, e in zip(caches, exact):
                     c.update_and_fetch(e.keys[..., :e.offset, :], e.values[..., :e.offset, :])
@@ -131,19 +134,17 @@ def test_preset_snapshot_roundtrip_and_resume(tiny, tmp_path, name):
 
 
 def test_only_the_grid_forms_carry_codec_state(tiny):
-    """Presets with state give it to their grid caches (with a profile too where ``profile_state``);
-    their Lloyd–Max forms (grid=False), fitted without it, stay as they were. At least one preset
-    carries state."""
+    """Presets with state give it to their grid caches (with a profile too); their Lloyd–Max forms
+    (grid=False), fitted without it, stay as they were. At least one preset carries state."""
     with_state = [n for n, p in presets.PRESETS.items() if p.state()]
     assert with_state
     sens = {(l, s): 1.0 + l for l in range(len(tiny.layers)) for s in "kv"}
     for name in with_state:
         p = presets.get(name)
-        assert p.state() == {"sink_tokens": p.sink_tokens, "center_keys": p.center_keys} and p.state(grid=False) == {}
-        want = (p.sink_tokens, p.center_keys) if p.profile_state else (0, False)
-        assert p.state(sens) == ({"sink_tokens": p.sink_tokens, "center_keys": p.center_keys} if p.profile_state else {})
+        assert p.state() == p.state(sens) == {"sink_tokens": p.sink_tokens, "center_keys": p.center_keys}
+        assert p.state(grid=False) == {}
         for c in presets.make_cache(tiny, name, profile=sens):
-            assert (c.sink_tokens, c.center_keys) == want
+            assert (c.sink_tokens, c.center_keys) == (p.sink_tokens, p.center_keys)
         for c in presets.make_cache(tiny, name, grid=False):
             assert (c.sink_tokens, c.center_keys, c.step) == (0, False, None)
 
