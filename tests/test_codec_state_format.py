@@ -24,6 +24,7 @@ VEC = ROOT / "format_spec" / "vectors"
 sys.path.insert(0, str(ROOT / "tools"))
 
 import make_format_vectors as MV  # noqa: E402
+from vector_values import bits_to_float, ulp  # noqa: E402
 
 TOKENS = [int(i) for i in np.random.default_rng(3).integers(3, 128, 40)]
 STATE_VECTORS = sorted(MV.V12)
@@ -230,18 +231,8 @@ def test_sliding_window_layers_keep_no_state_beside_layers_that_do(tmp_path):
 
 
 # ---- the vectors, decoded by the library --------------------------------------------------------------------
-def _bits_to_float(bits: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "float32":
-        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
-    if dtype == "float16":
-        return bits.astype(np.uint16).view(np.float16).astype(np.float64)
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
 def _ulp(x: np.ndarray, dtype: str) -> np.ndarray:
-    p, emin, _ = MV.FORMATS[dtype]
-    e = np.floor(np.log2(np.maximum(np.abs(x), 2.0 ** emin)))
-    return 2.0 ** (e - p + 1)
+    return ulp(x, dtype, MV.FORMATS)
 
 
 def _vector_caches(name: str) -> dict:
@@ -271,13 +262,13 @@ def test_library_decodes_every_position_within_the_spec_tolerance(name):
             w = want[side]
             assert list(got.shape) == w["shape"] and str(got.dtype).endswith(w["dtype"])
             got = np.array(got.astype(mx.float32)).astype(np.float64)
-            ref = _bits_to_float(np.array(w["bits"], dtype=np.uint64), w["dtype"]).reshape(got.shape)
+            ref = bits_to_float(np.array(w["bits"], dtype=np.uint64), w["dtype"]).reshape(got.shape)
             exact = np.ones(got.shape[2], bool)
             exact[S:S + Tq] = False
             assert np.array_equal(got[:, :, exact], ref[:, :, exact], equal_nan=True), (base, side)
             g, r = got[:, :, S:S + Tq], ref[:, :, S:S + Tq]
             assert np.array_equal(np.isnan(g), np.isnan(r)), (base, side)
-            dec = _bits_to_float(np.array(exp["decoded"][f"{base}.{side}"]["bits"], dtype=np.uint64), w["dtype"])
+            dec = bits_to_float(np.array(exp["decoded"][f"{base}.{side}"]["bits"], dtype=np.uint64), w["dtype"])
             s = np.array(c.state[0 if side == "keys" else 3].astype(mx.float32)).astype(np.float64)[..., None]
             nan = np.isnan(r)
             tol = (2.0 ** -20 * s + _ulp(dec.reshape(r.shape), w["dtype"]) + 2 * _ulp(r, w["dtype"]))[~nan]

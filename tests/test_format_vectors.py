@@ -21,6 +21,7 @@ SPEC = ROOT / "format_spec" / "rvq-v1.md"
 sys.path.insert(0, str(ROOT / "tools"))
 
 import make_format_vectors as MV  # noqa: E402
+from vector_values import bits_to_float, ulp  # noqa: E402
 
 VALID = json.loads((VEC / "valid" / "MANIFEST.json").read_text())
 INVALID = json.loads((VEC / "invalid" / "MANIFEST.json").read_text())
@@ -84,18 +85,8 @@ def test_valid_vector_loads_and_matches(entry):
         assert counts["sections"] == len(exp["sections"])
 
 
-def _bits_to_float(bits: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "float32":
-        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
-    if dtype == "float16":
-        return bits.astype(np.uint16).view(np.float16).astype(np.float64)
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
 def _ulp(x: np.ndarray, dtype: str) -> np.ndarray:
-    p, emin, _ = MV.FORMATS[dtype]
-    e = np.floor(np.log2(np.maximum(np.abs(x), 2.0 ** emin)))
-    return 2.0 ** (e - p + 1)
+    return ulp(x, dtype, MV.FORMATS)
 
 
 @pytest.mark.parametrize("entry", [e for e in VALID if json.loads(
@@ -123,7 +114,7 @@ def test_library_decodes_within_the_spec_tolerance(entry):
             out = codec.decode(enc, dtype=mx_dt[want["dtype"]])
             assert list(out.shape) == want["shape"]
             got = np.array(out.astype(mx.float32)).astype(np.float64).reshape(-1)
-            ref = _bits_to_float(np.array(want["bits"], dtype=np.uint64), want["dtype"])
+            ref = bits_to_float(np.array(want["bits"], dtype=np.uint64), want["dtype"])
             s = np.repeat(np.array(arrays[f"{side}.scales"].astype(mx.float32)).reshape(-1), codec.dim)
             nan = np.isnan(ref)
             assert np.array_equal(np.isnan(got), nan), base
@@ -143,7 +134,7 @@ def test_transposed_rotation_fails_the_reference():
     y = [q["centroids2"][a][b] for a, b in zip(MV.unpack_codes(w1, 20, 2), MV.unpack_codes(w2, 20, 2))]
     signs = np.array([-1.0 if q["rotation"]["signs"][c // 8] >> (c % 8) & 1 else 1.0 for c in range(20)])
     transposed = (np.array(y) @ M) / 20 * signs  # y @ M instead of y @ M^T
-    assert not np.allclose(_bits_to_float(np.array(ref, dtype=np.uint64), "float32"), transposed, atol=1e-3)
+    assert not np.allclose(bits_to_float(np.array(ref, dtype=np.uint64), "float32"), transposed, atol=1e-3)
     del qt
 
 
