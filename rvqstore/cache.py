@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import attention, cache_modes, cache_state, cache_steps
-from .codec import _FLOAT_DTYPES, DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
+from .codec import _FLOAT_DTYPES, DEFAULT_BITS, DTYPE_BY_NAME, EncodedVectors, RVQCodec, _parse_bits
 from .errors import CodecConfigError, InputShapeError, InvalidArgumentError
 
 MODES = cache_modes.MODES  # importable from here as before
@@ -649,7 +649,7 @@ class RVQKVCache:
             offset = int(m["offset"])
             if not state:
                 return cls(**kwargs)
-            dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}[m["dtype"]]
+            dtype = DTYPE_BY_NAME[m["dtype"]]
             head_dims = (int(m["key_head_dim"]), int(m["value_head_dim"]))
         except (KeyError, ValueError) as err:
             raise InvalidArgumentError(f"RVQKVCache.from_state: malformed settings {tuple(meta_state)}: "

@@ -37,11 +37,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from .codec import _FLOAT_DTYPES as _FLOATS
 from .errors import CodecConfigError, InputShapeError
 
 #: the largest ``sink_tokens`` a file can hold (format layer key, 0 ..= 2^31 - 1)
 MAX_SINK_TOKENS = (1 << 31) - 1
-_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
 def check_settings(sink_tokens: Any, center_keys: Any) -> None:

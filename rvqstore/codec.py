@@ -58,6 +58,7 @@ RESIDUAL_KINDS = ("conditional", "shared")
 DEFAULT_BITS = (4, 2)
 _FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
+DTYPE_BY_NAME = {name: dt for dt, name in _DTYPE_NAMES.items()}  # the float dtypes caches and files hold
 
 
 @dataclass(frozen=True)

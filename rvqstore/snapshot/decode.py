@@ -7,11 +7,11 @@ from typing import Any
 import mlx.core as mx
 
 from ..cache import RVQKVCache
+from ..codec import DTYPE_BY_NAME
 from ..errors import InvalidScaleError, RVQError
 from ..format import MalformedSectionError
 from ..rotating_cache import RVQRotatingKVCache
 
-_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 def _sides(a: dict) -> dict:
@@ -45,7 +45,7 @@ def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool, arrays: 
         raise RVQError(f"{where}: head dims {(layer.head_dim, layer.value_head_dim)} != quantizer dims "
                        f"{(kc.dim, vc.dim)}")
     sides = _sides(a)
-    common = dict(keys=sides["keys"], values=sides["values"], dtype=_DTYPES[layer.key_dtype],
+    common = dict(keys=sides["keys"], values=sides["values"], dtype=DTYPE_BY_NAME[layer.key_dtype],
                   head_dims=(layer.head_dim, layer.value_head_dim), key_codec=kc, value_codec=vc,
                   **_codec_settings(kc, mode, use_kernels))
     try:  # from_packed checks every scale (NaN or decodable finite in the dtype): one check per side, not two
@@ -55,7 +55,7 @@ def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool, arrays: 
                                           **_codec_state(f, where, layer, a), **common)
         return RVQRotatingKVCache.from_packed(offset=layer.offset, max_size=layer.max_size, keep=layer.keep, **common)
     except InvalidScaleError:
-        _raise_scale_error(f, where, sides, kc, vc, _DTYPES[layer.key_dtype])
+        _raise_scale_error(f, where, sides, kc, vc, DTYPE_BY_NAME[layer.key_dtype])
         raise
     except RVQError as e:
         if layer.kind == "rvq":

@@ -26,12 +26,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import RVQKVCache
-from ..codec import RVQCodec
+from ..codec import DTYPE_BY_NAME, RVQCodec
 from ..compat import UnsupportedCacheError, dense_keys_values
 from ..format import FormatError, Section, open_rvq, write_rvq
 from .errors import CorruptBlockError, StoreConfigError
 
-_DTYPE_BY_NAME = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 @dataclass
@@ -213,12 +212,12 @@ def decode_block(f, *, key: str, parent: str, tokens: np.ndarray, quantizer: dic
             raise CorruptBlockError(f"{where}: {len(f.layers)} layers, the model has {n_layers}")
         out = []
         for L in f.layers:
-            if L.kind != "rvq" or L.n_dense_tokens != 0 or L.key_dtype not in _DTYPE_BY_NAME:
+            if L.kind != "rvq" or L.n_dense_tokens != 0 or L.key_dtype not in DTYPE_BY_NAME:
                 raise CorruptBlockError(f"{where}: layer {L.index} is not a plain rvq layer")
             a = f.layer_arrays(L.index, as_mx=True)
             out.append(LayerRun(Packed(a["keys.scales"], a["keys.codes1"], a.get("keys.codes2")),
                                 Packed(a["values.scales"], a["values.codes1"], a.get("values.codes2")),
-                                _DTYPE_BY_NAME[L.key_dtype], L.head_dim))
+                                DTYPE_BY_NAME[L.key_dtype], L.head_dim))
         return BlockData(out, f.n_tokens)
     except FormatError as e:
         raise CorruptBlockError(f"{where}: {e}") from None
