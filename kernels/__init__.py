@@ -12,7 +12,8 @@ One kernel body serves two dialects: ``mx.fast.metal_kernel`` (Apple GPUs) and
 * ``rvq_encode.inc`` / ``rvq_decode.inc``: the kernel bodies.
 * ``rvq_attend.inc`` (with ``rvq_attend_body_prelude_*.inc``): split-K attention straight on the
   packed codes, and ``rvq_attend_merge.inc``, which merges its splits and un-rotates (both used by
-  :mod:`rvqstore.attention.kernel`).
+  :mod:`rvqstore.attention.kernel`); ``rvq_attend_mma.inc`` (with ``rvq_mma_cuda.cuh``): the same split
+  kernel on tensor cores, CUDA only (:mod:`rvqstore.attention.kernel_mma`).
 * ``rvq_append.inc``: a cache step's new keys and values -> norms and packed codes in one launch
   (:mod:`rvqstore.cache_append`; CUDA); ``rvq_unpack.inc``: a packed cache's decoded keys and
   values in one launch (:mod:`rvqstore.cache_fetch`; CUDA).
@@ -37,6 +38,8 @@ SOURCES = (
     "rvq_attend_body_prelude_cuda.inc",
     "rvq_attend.inc",
     "rvq_attend_merge.inc",
+    "rvq_mma_cuda.cuh",
+    "rvq_attend_mma.inc",
     "rvq_append.inc",
     "rvq_unpack.inc",
 )

@@ -5,7 +5,10 @@ one query (a decode step), caches filled with random keys/values to each context
 round by round: ``sdpa`` (mlx fast SDPA over fp16 K/V of the context), ``codes-2+2`` / ``codes-4+2``
 (``RVQKVCache.attend_on_codes``: the split-K kernel, which rotates the queries, and the merge kernel,
 which un-rotates), and with ``--breakdown`` on a GPU the split and merge kernels launched alone. Each
-sample times ``k`` calls issued back to back (one sync), divided by ``k``; medians over rounds.
+sample times ``k`` calls issued back to back (one sync), divided by ``k``; medians over rounds (``ms``). A
+second sample of each arm builds its ``k`` calls first and times their evaluation alone (``eval_ms``: the
+GPU's work and MLX's per-launch cost, without the Python that builds a call; what a decode step pays when its
+host build overlaps the GPU). ``mma-kernel-*`` (with ``--breakdown``): the tensor-core split kernel alone.
 
     python tools/bench_attention.py [--contexts 1024,8192,32768,131072] [--json out.json]
     python tools/bench_attention.py --contexts 32768,131072 --bits 2+2 --target-groups 528,1056,2112,4224
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from rvqstore import RVQKVCache, fused  # noqa: E402
-from rvqstore.attention import kernel  # noqa: E402
+from rvqstore.attention import kernel, kernel_mma, launch_args  # noqa: E402
 
 import kernel_variants  # noqa: E402  (tools/)
 
@@ -45,12 +48,12 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--breakdown", action="store_true", help="also time the split and merge kernels alone")
     ap.add_argument("--target-groups", default="", help="comma list: also time the first bits' codes arm with "
-                    "kernel.TARGET_GROUPS set to each (threadgroups per launch the split plan aims at)")
+                    "launch_args.TARGET_GROUPS set to each (threadgroups per launch the split plan aims at)")
     ap.add_argument("--variants", default="", help="comma list of kernel variants (see above)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     hq, hkv, d = a.heads, a.kv_heads, a.head_dim
-    default_groups = kernel.TARGET_GROUPS
+    default_groups = launch_args.TARGET_GROUPS
     out = {"device": str(mx.default_device()), "geometry": [hq, hkv, d], "rows": []}
     for n in (int(x) for x in a.contexts.split(",")):
         mx.random.seed(n)
@@ -67,11 +70,11 @@ def main(argv=None) -> int:
             arms[f"codes-{bits}"] = (lambda c: lambda q: c.attend_on_codes(q, scale=d ** -0.5))(c)
             for tg in (int(x) for x in a.target_groups.split(",") if x and bits == a.bits.split(",")[0]):
                 def sweep(q, c=c, tg=tg):
-                    kernel.TARGET_GROUPS = tg
+                    launch_args.TARGET_GROUPS = tg
                     try:
                         return c.attend_on_codes(q, scale=d ** -0.5)
                     finally:
-                        kernel.TARGET_GROUPS = default_groups
+                        launch_args.TARGET_GROUPS = default_groups
                 arms[f"codes-{bits}-tg{tg}"] = sweep
             for var in (x for x in a.variants.split(",") if x and bits == a.bits.split(",")[0]):
                 arms[f"codes-{bits}-{var}"] = (lambda c, var: lambda q: kernel_variants.run(
@@ -87,7 +90,11 @@ def main(argv=None) -> int:
                 arms[f"split-kernel-{bits}"] = split
                 arms[f"merge-kernel-{bits}"] = (lambda view, o, ml: lambda q: kernel.merge(
                     view, o, ml, (1, hq, 1, d), q.dtype, dialect))(view, o, ml)
+                if kernel_mma.takes(view, hq // hkv, mx.float16, dialect):
+                    arms[f"mma-kernel-{bits}"] = (lambda view: lambda q: kernel_mma.launch(
+                        view, q, 1, False, d ** -0.5))(view)
         times = {name: [] for name in arms}
+        evals = {name: [] for name in arms}
         for name, f in arms.items():  # warm up: compile, first-use checks
             mx.eval(f(qs[0]))
         for r in range(a.rounds):
@@ -98,9 +105,20 @@ def main(argv=None) -> int:
                 mx.eval(outs)
                 mx.synchronize()
                 times[name].append((time.perf_counter() - t0) / a.k * 1e3)
-        row = {"context": n, "ms": {name: statistics.median(t) for name, t in times.items()}}
+                # the same calls, the graph built first: the evaluation alone (the GPU's work and MLX's
+                # per-launch cost, without the Python that builds the calls)
+                outs = [f(qs[(r + i + 1) % len(qs)]) for i in range(a.k)]
+                mx.synchronize()
+                t0 = time.perf_counter()
+                mx.eval(outs)
+                mx.synchronize()
+                evals[name].append((time.perf_counter() - t0) / a.k * 1e3)
+        row = {"context": n, "ms": {name: statistics.median(t) for name, t in times.items()},
+               "eval_ms": {name: statistics.median(t) for name, t in evals.items()}}
         row["speedup_vs_sdpa"] = {name: row["ms"]["sdpa"] / ms for name, ms in row["ms"].items()
                                   if name.startswith("codes")}
+        row["eval_speedup_vs_sdpa"] = {name: row["eval_ms"]["sdpa"] / ms for name, ms in row["eval_ms"].items()
+                                       if name != "sdpa"}
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
         del k, v, arms

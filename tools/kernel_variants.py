@@ -2,15 +2,18 @@
 benchmarks: ``first`` = the first kernel's layout (one thread per token in the key phase, no pair tables,
 code words read straight from memory); ``nopair`` = no pair tables; ``nostage`` = code words not staged in
 shared memory; ``v4``/``v8`` = 4/8 coordinates per thread in the value phase; ``klN`` = N lanes per token in
-the key phase; ``default`` = the module's own settings."""
+the key phase; ``simt`` = the SIMT kernel where the tensor-core one would serve (kernel_mma.TENSOR_CORES off);
+``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
+``simt`` for fp16 calls on CUDA."""
 
 from __future__ import annotations
 
-from rvqstore.attention import kernel
+from rvqstore.attention import kernel, kernel_mma
 
 VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False, "VALUE_COORDS": 4},
             "nopair": {"PAIR_TABLES": False}, "nostage": {"STAGE_CODES": False}, "v4": {"VALUE_COORDS": 4},
-            "v8": {"VALUE_COORDS": 8}, "default": {}}
+            "v8": {"VALUE_COORDS": 8}, "simt": {"TENSOR_CORES": False}, "default": {}}
+_MODULE = {"TENSOR_CORES": kernel_mma}  # settings that live outside kernel.py
 
 
 def settings(name: str) -> dict:
@@ -25,15 +28,15 @@ def settings(name: str) -> dict:
 def apply(name: str) -> dict:
     """Set variant ``name``; returns the previous values (for :func:`restore`)."""
     new = settings(name)
-    old = {k: getattr(kernel, k) for k in new}
+    old = {k: getattr(_MODULE.get(k, kernel), k) for k in new}
     for k, v in new.items():
-        setattr(kernel, k, v)
+        setattr(_MODULE.get(k, kernel), k, v)
     return old
 
 
 def restore(old: dict) -> None:
     for k, v in old.items():
-        setattr(kernel, k, v)
+        setattr(_MODULE.get(k, kernel), k, v)
 
 
 def run(name: str, call):

@@ -32,16 +32,15 @@ import mlx.core as mx
 import numpy as np
 
 from .. import fused, kernel_cache
-from . import masks, ops
+from . import kernel_mma, masks, ops
+from .launch_args import THREADS, count_array, decode_table, split_plan
+from .launch_args import static_params as _static
 from .view import CodesView
 
 log = logging.getLogger("rvqstore.kernels")
 
-THREADS = 128
 MAX_ROWS = 8
 MAX_DIM = 256
-#: aim for this many threadgroups per launch (the H200 has 132 SMs)
-TARGET_GROUPS = 528
 #: threads per token in the key phase: None picks by shape (:func:`key_lanes`); 1 is the first kernel's
 #: one thread per token (kept for same-run comparisons); a power of two up to 32 forces that many
 KEY_LANES: int | None = None
@@ -117,47 +116,14 @@ def supported(view: CodesView, rows: int) -> str | None:
     return None
 
 
-_per_codec: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def decode_table(codec) -> tuple[mx.array, int]:
-    """The decode kernel's table for ``codec`` (built once per codec)."""
-    t = _per_codec.get(codec)
-    if t is None:
-        plan = fused.make_plan(codec, fused.DECODE)
-        t = _per_codec[codec] = (plan.tab, plan.tabn)
-    return t
-
-
-_counts: list = []
-
-
-def count_array(n: int) -> mx.array:
-    """``[n]`` as a uint32 array: a slice of one arange made once (no new host array per step)."""
-    if not _counts:
-        _counts.append(mx.arange(0, 1 << 21, dtype=mx.uint32))
-    return _counts[0][n:n + 1] if n < (1 << 21) else mx.array([n], dtype=mx.uint32)
-
-
-_params: dict = {}
-
-
-def _static(values: tuple) -> mx.array:
-    """A small uint32 array of values that repeat from step to step (kept, not rebuilt per call)."""
-    p = _params.get(values)
-    if p is None:
-        if len(_params) > 512:
-            _params.clear()
-        p = _params[values] = mx.array(list(values), dtype=mx.uint32)
-    return p
-
-
-def split_plan(n: int, bh: int) -> tuple[int, int]:
-    """``(chunk, splits)`` for ``n`` token slots (the buffers' capacity: the plan, and so the launch,
-    changes only when they grow): tokens per threadgroup (a multiple of THREADS) and how many splits."""
-    want = max(1, TARGET_GROUPS // max(1, bh))
-    chunk = max(THREADS, -(-(-(-n // want)) // THREADS) * THREADS)
-    return chunk, max(1, -(-n // chunk))
+def _served(view: CodesView, rows: int, dtype, dialect: str) -> tuple[bool, bool]:
+    """``(served, tensor_cores)``: whether a kernel takes the call and whether it is the tensor-core one
+    (:mod:`.kernel_mma`, CUDA: up to 16 rows), else the SIMT kernel (:func:`supported`)."""
+    if supported(view, min(rows, MAX_ROWS)) is not None:
+        return False, False
+    if kernel_mma.takes(view, rows, dtype, dialect):
+        return True, True
+    return rows <= MAX_ROWS, False
 
 
 def _pow2(d: int) -> bool:
@@ -382,23 +348,24 @@ _decisions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key cod
 
 
 def _decide(view: CodesView, rows: int, dtype, windowed: bool, with_sinks: bool, dialect: str):
-    """``(fast, config)`` for calls of this shape, or None where the kernel does not take them (made
+    """``(fast, tensor_cores, config)`` for calls of this shape, or None where the kernel does not take them (made
     once per configuration: a decode step repeats the same one 32 times per token)."""
     per = _decisions.get(view.key_codec)
     if per is None:
         per = _decisions[view.key_codec] = {}
     key = (id(view.value_codec), rows, dtype, windowed, with_sinks, dialect, KEY_LANES, PAIR_TABLES, STAGE_CODES,
-           VALUE_COORDS)
+           VALUE_COORDS, kernel_mma.TENSOR_CORES)
     d = per.get(key, _MISSING)
     if d is _MISSING:
         d = None
-        if supported(view, rows) is None:
+        served, mma = _served(view, rows, dtype, dialect)
+        if served:
             dk, dv = view.key_codec.dim, view.value_codec.dim
             # fast path, two launches: raw queries rotated in the split kernel, splits merged and
             # un-rotated by the merge kernel; the window and sinks need the MLX-ops merge
             fast = _pow2(dk) and _pow2(dv) and dv >= 32 and not windowed and not with_sinks
-            d = (fast, (dialect, fast, rows, dk, dv, view.key_codec.bits, view.key_codec.residual, dtype,
-                        KEY_LANES, PAIR_TABLES, STAGE_CODES, VALUE_COORDS))
+            d = (fast, mma, (dialect, fast, mma, rows, dk, dv, view.key_codec.bits, view.key_codec.residual, dtype,
+                             KEY_LANES, PAIR_TABLES, STAGE_CODES, VALUE_COORDS))
         per[key] = d
     return d
 
@@ -421,10 +388,13 @@ def attend(view: CodesView, queries: mx.array, scale: float, mask, sinks) -> mx.
     d = _decide(view, rows, queries.dtype, view.dense_keys is not None, sinks is not None, dialect)
     if d is None:
         return None
-    fast, config = d
+    fast, mma, config = d
     causal = causal and l > 1
     try:
-        if fast:  # the queries' (B, Hq, L, D) memory is the kernel's (B * Hkv, R, D): no reshape needed
+        if mma:  # tensor cores: raw queries rotated in the kernel; merged by the merge kernel or combine
+            o, ml = kernel_mma.launch(view, queries, l, causal, scale)
+            out = merge(view, o, ml, (b, hq, l, view.value_codec.dim), queries.dtype, dialect) if fast else None
+        elif fast:  # the queries' (B, Hq, L, D) memory is the kernel's (B * Hkv, R, D): no reshape needed
             o, ml = launch(view, queries, l, causal, dialect, scale=scale)
             out = merge(view, o, ml, (b, hq, l, view.value_codec.dim), queries.dtype, dialect)
         else:

@@ -1,0 +1,55 @@
+// rvqstore: device helpers of the tensor-core attention kernel (rvq_attend_mma.inc; CUDA, sm_80 and later).
+// Included after rvq_prelude_cuda.cuh by that kernel only.
+#define RVQ_EXP2(x) rvq_ex2(x)
+#define RVQ_PRMT(a, b, s) __byte_perm((a), (b), (s))
+RVQ_FN float rvq_ex2(float x) {  // 2^x (ex2.approx: 2 ulp; 2^-inf = +0)
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// (lo, hi) -> one f16x2 word, lo in the low half (cvt puts its first source in the high half)
+RVQ_FN uint rvq_h2(float lo, float hi) {
+  uint r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// c (16x8 f32) += a (16x16 f16, row) . b (16x8 f16, col): the PTX fragment layouts (lane = 4 g + j)
+RVQ_FN void rvq_mma(float* c, const uint* a, uint b0, uint b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// four neighbouring coordinates (codes at the bottom of f1 / f2) -> (y0, y1), (y2, y3) as f16x2. lut: the
+// conflict-free table seen from this lane (entry e at lut[32 e]): pairs of coordinates where B1 + B2 <= 4,
+// else single coordinates stored as (y, y)
+template <int B1, int B2>
+RVQ_FN void rvq_dec4(const uint* lut, uint f1, uint f2, uint& b0, uint& b1) {
+  if (B1 + B2 <= 4) {
+    const uint m1 = (1u << (2 * B1)) - 1u;
+    const uint m2 = (1u << (2 * B2)) - 1u;
+    b0 = lut[(((f1 & m1) << (2 * B2)) | (f2 & m2)) * 32u];
+    b1 = lut[((((f1 >> (2 * B1)) & m1) << (2 * B2)) | ((f2 >> (2 * B2)) & m2)) * 32u];
+  } else {
+    const uint m1 = (1u << B1) - 1u;
+    const uint m2 = (1u << B2) - 1u;
+    uint h[4];
+    RVQ_UNROLL
+    for (int e = 0; e < 4; ++e) h[e] = lut[((((f1 >> (e * B1)) & m1) << B2) | ((f2 >> (e * B2)) & m2)) * 32u];
+    b0 = __byte_perm(h[0], h[1], 0x5410u);
+    b1 = __byte_perm(h[2], h[3], 0x5410u);
+  }
+}
+// two neighbouring coordinates -> u0 with y0 in its low half, u1 with y1 in its high half
+template <int B1, int B2>
+RVQ_FN void rvq_dec2(const uint* lut, uint f1, uint f2, uint& u0, uint& u1) {
+  if (B1 + B2 <= 4) {
+    u0 = lut[(((f1 & ((1u << (2 * B1)) - 1u)) << (2 * B2)) | (f2 & ((1u << (2 * B2)) - 1u))) * 32u];
+    u1 = u0;
+  } else {
+    const uint m1 = (1u << B1) - 1u;
+    const uint m2 = (1u << B2) - 1u;
+    u0 = lut[(((f1 & m1) << B2) | (f2 & m2)) * 32u];
+    u1 = lut[((((f1 >> B1) & m1) << B2) | ((f2 >> B2) & m2)) * 32u];
+  }
+}

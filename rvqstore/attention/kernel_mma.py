@@ -1,0 +1,117 @@
+"""The split kernel on tensor cores (CUDA, compute capability 8.0 and later): ``kernels/rvq_attend_mma.inc``.
+
+It computes what the SIMT split kernel (:func:`rvqstore.attention.kernel.launch`) computes (the same splits, the same
+``o``/``ml`` partials, so the same merge kernel and the same MLX-ops ``combine`` take them), but each
+warp decodes the code words of 16 tokens at a time straight into fp16 ``mma.sync`` fragments and the
+tensor cores do both products (scores and the value sum). The codes are read once per KV head for all
+query rows of its GQA group, as before; the difference is the arithmetic: the SIMT kernel spends
+``2 x rows`` fused multiply-adds per coordinate and token, which made it slower than SDPA on fp16
+(docs/attention.md). Rounding: the rotated queries, the table values and ``p x value norm`` are fp16
+operands (the reference decodes to fp16 too), sums are fp32.
+
+Takes: fp16 queries, keys and values of one head dim (64 or 128) coded alike, ``dim x bits`` of each
+stage a multiple of 128 (whole words per quarter of a row: 2+2, 4+2, 4+4, 2, 4 at 128; 2+2, 4+2, 4+4 at
+64), up to 16 query rows per KV head. Other calls take the SIMT kernel (Metal always does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import weakref
+
+import mlx.core as mx
+import numpy as np
+
+from .. import fused, kernel_cache
+from .launch_args import THREADS, count_array, decode_table, split_plan, static_params
+from .view import CodesView
+
+#: route eligible CUDA calls here (False: the SIMT kernel serves them; kept for same-run comparisons)
+TENSOR_CORES = True
+MAX_ROWS = 16
+DIMS = (64, 128)
+
+_kernels: dict = {}
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def sources() -> tuple[str, str]:
+    header = fused.load_source("rvq_prelude_cuda.cuh") + fused.load_source("rvq_mma_cuda.cuh")
+    body = fused.load_source("rvq_attend_body_prelude_cuda.inc") + fused.load_source("rvq_attend_mma.inc")
+    return header, body
+
+
+def _kernel():
+    k = _kernels.get("mma")
+    if k is None:
+        header, body = sources()
+        digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
+        k = _kernels["mma"] = kernel_cache.cuda_kernel(
+            name=f"rvq_attend_mma_{digest}",
+            input_names=["q", "sg", "qf", "ks", "k1", "k2", "vs", "v1", "v2", "tab", "cnt", "params"],
+            output_names=["o", "ml"], source=body, header=header, ensure_row_contiguous=True)
+    return k
+
+
+def takes(view: CodesView, rows: int, dtype, dialect: str) -> bool:
+    """Whether this kernel serves the call (the SIMT kernel's own conditions are checked by the caller)."""
+    if not TENSOR_CORES or dialect != "cuda" or dtype != mx.float16 or rows > MAX_ROWS:
+        return False
+    kc, vc = view.key_codec, view.value_codec
+    d = kc.dim
+    if vc.dim != d or d not in DIMS or (d * kc.bits1) % 128 or (kc.bits2 and (d * kc.bits2) % 128):
+        return False
+    return kc.bits1 in (1, 2, 4) and kc.bits2 in (0, 1, 2, 4) and kc.bits1 + kc.bits2 <= 8
+
+
+class _Launch:
+    __slots__ = ("params", "sg", "qf", "tab", "two", "template", "grid", "shapes")
+
+
+_launches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key codec -> {config: _Launch}
+_F32_2 = [mx.float32, mx.float32]
+_THREADGROUP = (THREADS, 1, 1)
+
+
+def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal: bool, scale: float) -> _Launch:
+    kc = view.key_codec
+    per = _launches.get(kc)
+    if per is None:
+        per = _launches[kc] = {}
+    key = (cap, bh, rows, n_queries, view.n_dense, causal, scale)
+    p = per.get(key)
+    if p is not None:
+        return p
+    d = kc.dim
+    chunk, splits = split_plan(cap, bh)
+    tab, tabn = decode_table(kc)
+    p = _Launch()
+    p.params = static_params((cap, chunk, splits, n_queries, view.n_dense, int(causal)))
+    p.sg = mx.array((kc.signs.astype(np.float64) / math.sqrt(d)).astype(np.float32))
+    p.qf = mx.array([scale * _LOG2E / math.sqrt(d)], dtype=mx.float32)
+    p.tab, p.two = tab, kc.bits2 > 0
+    mode = fused.MODE_SINGLE if not p.two else (fused.MODE_CONDITIONAL if kc.residual == "conditional"
+                                                else fused.MODE_SHARED)
+    p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_MODE", mode), ("T_D", d), ("T_R", rows),
+                  ("T_TABN", tabn)]
+    p.grid = (bh * splits * THREADS, 1, 1)
+    p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
+    if len(per) > 64:
+        per.clear()
+    per[key] = p
+    return p
+
+
+def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: float):
+    """``(o (BH, S, R, D), ml (BH, S, R, 2))`` for raw fp16 queries ``q`` ``(B, Hq, L, D)`` (their memory is
+    ``(B * Hkv, R, D)``), rotated inside the kernel."""
+    b, h, l, d = q.shape
+    ks, k1, k2 = view.key_buffers
+    vs, v1, v2 = view.value_buffers
+    p = _plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, n_queries, causal, scale)
+    out = _kernel()(
+        inputs=[q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.tab,
+                count_array(view.n_coded), p.params],
+        template=p.template, grid=p.grid, threadgroup=_THREADGROUP, output_shapes=p.shapes, output_dtypes=_F32_2)
+    return out[0], out[1]

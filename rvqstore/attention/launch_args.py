@@ -1,0 +1,55 @@
+"""What every launch of the attention kernels shares: the split plan (tokens per threadgroup) and the small
+constant arrays a decode step passes again and again (kept, not rebuilt per call)."""
+
+from __future__ import annotations
+
+import weakref
+
+import mlx.core as mx
+
+from .. import fused
+
+THREADS = 128
+#: aim for this many threadgroups per launch (the H200 has 132 SMs)
+TARGET_GROUPS = 528
+_per_codec: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def decode_table(codec) -> tuple[mx.array, int]:
+    """The decode kernel's table for ``codec`` (built once per codec)."""
+    t = _per_codec.get(codec)
+    if t is None:
+        plan = fused.make_plan(codec, fused.DECODE)
+        t = _per_codec[codec] = (plan.tab, plan.tabn)
+    return t
+
+
+_counts: list = []
+
+
+def count_array(n: int) -> mx.array:
+    """``[n]`` as a uint32 array: a slice of one arange made once (no new host array per step)."""
+    if not _counts:
+        _counts.append(mx.arange(0, 1 << 21, dtype=mx.uint32))
+    return _counts[0][n:n + 1] if n < (1 << 21) else mx.array([n], dtype=mx.uint32)
+
+
+_params: dict = {}
+
+
+def static_params(values: tuple) -> mx.array:
+    """A small uint32 array of values that repeat from step to step (kept, not rebuilt per call)."""
+    p = _params.get(values)
+    if p is None:
+        if len(_params) > 512:
+            _params.clear()
+        p = _params[values] = mx.array(list(values), dtype=mx.uint32)
+    return p
+
+
+def split_plan(n: int, bh: int) -> tuple[int, int]:
+    """``(chunk, splits)`` for ``n`` token slots (the buffers' capacity: the plan, and so the launch,
+    changes only when they grow): tokens per threadgroup (a multiple of THREADS) and how many splits."""
+    want = max(1, TARGET_GROUPS // max(1, bh))
+    chunk = max(THREADS, -(-(-(-n // want)) // THREADS) * THREADS)
+    return chunk, max(1, -(-n // chunk))

@@ -1,0 +1,128 @@
+"""The split kernel on tensor cores (kernels/rvq_attend_mma.inc, rvqstore.attention.kernel_mma), CUDA only.
+
+On every backend: which calls it takes. On the GPU (tests marked ``gpu``): its partials against the
+kernel's model (``partials_reference`` in float32), and whole calls against decode-then-SDPA on fp16.
+
+Tolerances, and why: the kernel's mma operands are fp16 (the rotated queries, the table values and each
+weight ``p x value norm``), each rounded once (relative 2^-11), sums in fp32; so its partials differ from
+the float32 model by a few 2^-11 relative (scores: 2^-11 x |q| |y| summed over D, moved into ``m``;
+weights: 2^-11 each), bound here at 4e-3 relative for ``o``/``l`` and 4e-3 x max|score| for ``m`` -- a
+layout error (a wrong token, coordinate or dim) gives errors of order 1. Against decode-then-SDPA on fp16
+the bound is the one of tests/test_attention_gpu.py: 4 x 2^-11 x max|V|.
+With RVQ_ATTN_PARITY_REPORT=path each comparison appends a line there (tools/results/gpu-parity-attention.txt).
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from rvqstore import RVQKVCache, fused
+from rvqstore.attention import kernel, kernel_mma, ops
+
+REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
+
+
+def _cache(bits, hkv, n, d, *, b=1, window=0, dtype=mx.float16, seed=0, residual="conditional"):
+    rng = np.random.default_rng(seed)
+    c = RVQKVCache(bits, residual=residual, dense_window=window, flush_block=8)
+    k = mx.array(rng.standard_normal((b, hkv, n, d)).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.standard_normal((b, hkv, n, d)).astype(np.float32)).astype(dtype)
+    if n > 1:
+        c.update_and_fetch(k[:, :, : n - 1], v[:, :, : n - 1])
+    kk, vv = c.update_and_fetch(k[:, :, n - 1:], v[:, :, n - 1:])
+    return c, kk, vv
+
+
+def _record(kind, ok, detail):
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(f"{kind}\t{'pass' if ok else 'FAIL'}\t{detail}\n")
+
+
+@pytest.mark.parametrize("bits,d,rows,dtype,dialect,want", [
+    ((2, 2), 128, 4, mx.float16, "cuda", True),
+    ((4, 2), 64, 16, mx.float16, "cuda", True),
+    ((1, 1), 64, 4, mx.float16, "cuda", False),    # 64 x 1 bit: half a word per quarter row
+    ((2, 2), 96, 4, mx.float16, "cuda", False),    # head dim
+    ((2, 2), 256, 4, mx.float16, "cuda", False),
+    ((2, 2), 128, 17, mx.float16, "cuda", False),  # rows
+    ((2, 2), 128, 4, mx.bfloat16, "cuda", False),  # queries' dtype
+    ((2, 2), 128, 4, mx.float16, "metal", False),
+])
+def test_which_calls_the_tensor_core_kernel_takes(bits, d, rows, dtype, dialect, want):
+    c, _, _ = _cache(bits, 1, 40, d)
+    assert kernel_mma.takes(c.codes_view(), rows, dtype, dialect) is want
+
+
+def test_the_simt_kernel_still_serves_what_tensor_cores_do_not(monkeypatch):
+    c, _, _ = _cache((2, 2), 1, 40, 128)
+    view = c.codes_view()
+    assert kernel._served(view, 4, mx.float16, "cuda") == (True, True)
+    assert kernel._served(view, 4, mx.float32, "cuda") == (True, False)
+    assert kernel._served(view, 12, mx.float16, "cuda") == (True, True)   # up to 16 rows on tensor cores
+    assert kernel._served(view, 12, mx.float32, "cuda") == (False, False)  # the SIMT kernel takes 8
+    monkeypatch.setattr(kernel_mma, "TENSOR_CORES", False)
+    assert kernel._served(view, 4, mx.float16, "cuda") == (True, False)
+
+
+# ---- on the GPU ------------------------------------------------------------------------------------------
+MMA_CASES = [
+    # (bits, residual, d, hkv, group, L, n, b, window)
+    ((2, 2), "conditional", 128, 8, 4, 1, 1000, 1, 0),
+    ((2, 2), "conditional", 128, 2, 8, 1, 4097, 1, 0),
+    ((4, 2), "conditional", 128, 8, 4, 1, 777, 1, 16),
+    ((4, 2), "conditional", 64, 3, 3, 1, 129, 2, 0),
+    ((2, 2), "conditional", 64, 2, 1, 1, 1, 1, 0),
+    ((2, 2), "shared", 128, 2, 4, 2, 333, 1, 0),
+    ((1, 1), "conditional", 128, 1, 8, 1, 513, 1, 8),
+    ((4, 0), "conditional", 64, 2, 2, 2, 70, 1, 0),
+    ((2, 0), "conditional", 128, 2, 4, 1, 300, 1, 0),
+    ((4, 4), "conditional", 128, 4, 4, 4, 2048, 1, 0),
+    ((2, 4), "conditional", 128, 8, 1, 1, 33000, 1, 0),
+    ((2, 2), "conditional", 128, 2, 4, 3, 17, 1, 0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{c[0][0]}+{c[0][1]}-{c[1][:4]}-d{c[2]}-h{c[3]}g{c[4]}"
+                         f"-L{c[5]}-n{c[6]}-b{c[7]}-w{c[8]}")
+def test_gpu_tensor_core_kernel_parity(case, monkeypatch):
+    bits, residual, d, hkv, g, L, n, b, window = case
+    c, K, V = _cache(bits, hkv, n, d, b=b, window=window, residual=residual, seed=n)
+    view = c.codes_view()
+    assert kernel_mma.takes(view, g * L, mx.float16, fused.gpu_backend())
+    q = mx.array(np.random.default_rng(d).standard_normal((b, hkv * g, L, d)).astype(np.float32)).astype(mx.float16)
+    scale = d ** -0.5
+    o, ml = kernel_mma.launch(view, q, L, L > 1, scale)
+    with mx.stream(mx.cpu):  # the model in exact float32
+        q_rot = ops.rotate_queries(view, q.astype(mx.float32), scale).reshape(b, hkv, g * L, d)
+        ro, rml = kernel.partials_reference(view, q_rot, L, L > 1)
+        s_max = float(mx.abs(q_rot).max()) * 4.0 * d * float(view.key_buffers[0].astype(mx.float32).max())
+        mx.eval(ro, rml)
+    err_o = float(mx.abs(o - ro).max()) / (float(mx.abs(ro).max()) + 1e-30)
+    m, rm = np.array(ml[..., 0]), np.array(rml[..., 0])
+    same_inf = bool(np.array_equal(np.isinf(m), np.isinf(rm)))
+    fin = np.isfinite(rm)
+    err_m = float(np.abs(m[fin] - rm[fin]).max()) if fin.any() else 0.0
+    m_scale = float(np.abs(rm[fin]).max()) + 1.0 if fin.any() else 1.0
+    err_l = float(mx.abs(ml[..., 1] - rml[..., 1]).max() / (mx.abs(rml[..., 1]).max() + 1e-30))
+    ok = err_o < 4e-3 and err_l < 4e-3 and err_m < 4e-3 * m_scale and same_inf
+    _record("mma-partials", ok, f"{case} rel_err o={err_o:.2e} l={err_l:.2e} abs_err m={err_m:.2e} "
+            f"(m scale {m_scale:.1f}, score bound {s_max:.1f})")
+    assert ok, (err_o, err_l, err_m, same_inf)
+    # the whole call (tensor-core kernel + merge kernel or combine) vs decode-then-SDPA, fp16
+    calls = []
+    real = kernel_mma.launch
+    monkeypatch.setattr(kernel_mma, "launch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    mask = "causal" if L > 1 else None
+    got = c.attend_on_codes(q, scale=scale, mask=mask)
+    ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=scale, mask=mask)
+    err = float(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max())
+    bound = 4 * 2.0 ** -11 * float(mx.abs(V.astype(mx.float32)).max())
+    _record("mma-attend-fp16-vs-sdpa", err <= bound and bool(calls),
+            f"{case} max_abs_err={err:.2e} bound={bound:.2e}")
+    assert calls and err <= bound and not kernel.disabled()
