@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -42,7 +41,6 @@ _kernel_fns: dict = {}  # (resident, copy) -> kernel
 COPY_MAX_TOKENS = 16384
 _disabled: dict = {}  # configuration -> why the kernel is off for it
 _verified: set = set()
-_setups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 #: first-use check: share of code words that must equal the codec's encode (norms may differ by one
 #: bfloat16 ulp on a handful of vectors, which re-codes those vectors)
@@ -77,7 +75,8 @@ def _kernel(resident: bool, copy: bool = False):
 
 
 class _Setup:
-    """What a launch for one codec needs, made once: the encode table, signs, limits, template."""
+    """What a launch for one codec needs, made once: the encode table, signs, limits, template, and per step
+    shape the launch's arguments (:class:`_Call`), so that a decode step's launch is a lookup and a call."""
 
     def __init__(self, codec):
         plan = make_plan(codec, ENCODE)
@@ -93,21 +92,24 @@ class _Setup:
         self.params: dict = {}  # rows -> [rows] uint32
         self.template = [("T_D", codec.dim), ("T_B1", plan.bits1), ("T_B2", plan.bits2), ("T_MODE", plan.mode),
                          ("T_SEARCH", plan.search), ("T_TABN", plan.tabn), ("T_DTABN", dplan.tabn)]
-        self.configs: dict = {}  # (dtype, resident) -> the configuration's key in _verified/_disabled
-        self.calls: dict = {}  # (shape, dtype, resident) -> the launch's keyword arguments but inputs
+        self.configs: dict = {}  # (dtype, resident, extra) -> the configuration's key in _verified/_disabled
+        self.calls: dict = {}  # (shape, dtype, value dtype, resident) -> _Call
+        self.copies: dict = {}  # (shape, dtype, value dtype, old capacity, capacity) -> _Call
         self.config_base = (codec.dim, codec.bits1, codec.bits2, codec.residual, codec.seed)
 
-    def config(self, dtype, resident: bool) -> tuple:
-        c = self.configs.get((dtype, resident))
+    def config(self, dtype, resident: bool, *extra) -> tuple:
+        key = (dtype, resident) + extra
+        c = self.configs.get(key)
         if c is None:
-            c = self.configs[(dtype, resident)] = self.config_base + (str(dtype), resident)
+            c = self.configs[key] = self.config_base + (str(dtype), resident) + extra
         return c
 
-    def call(self, codec, shape: tuple, dtype, resident: bool) -> dict:
-        """The launch's arguments for keys of ``shape`` and ``dtype`` (made once per shape)."""
-        key = (shape, dtype, resident)
-        kw = self.calls.get(key)
-        if kw is None:
+    def call(self, codec, keys: mx.array, values: mx.array, resident: bool) -> "_Call":
+        """The launch's arguments for keys like ``keys`` (made once per shape and dtypes)."""
+        shape, dtype = keys.shape, keys.dtype
+        key = (shape, dtype, values.dtype, resident)
+        c = self.calls.get(key)
+        if c is None:
             lead = tuple(shape[:-1])
             rows = math.prod(lead)
             d, w1, w2 = codec.dim, codec.words1, codec.words2
@@ -117,10 +119,29 @@ class _Setup:
                 shapes, dtypes = shapes + [tuple(shape)] * 2, dtypes + [dtype, dtype]
             if len(self.calls) > 64:
                 self.calls.clear()
-            kw = self.calls[key] = dict(
-                template=self.template + [("InT", dtype)], grid=(2 * rows * d, 1, 1), threadgroup=(d, 1, 1),
-                output_shapes=shapes, output_dtypes=dtypes, rows=self.rows(rows), limit=self.limit(codec, dtype))
-        return kw
+            consts = [self.signs, self.plan.tab, self.dtab, self.limit(codec, dtype), self.rows(rows)]
+            c = self.calls[key] = _Call(_kernel(resident), self.template + [("InT", dtype)], [dtype, values.dtype],
+                                        consts, shapes, dtypes, (2 * rows * d, 1, 1), (d, 1, 1))
+        return c
+
+    def copy_call(self, codec, keys: mx.array, values: mx.array, cap_old: int, cap: int) -> "_Call":
+        """The copy launch's arguments but its token count (made once per shape, dtypes and capacities:
+        they change when the buffers grow)."""
+        shape = keys.shape
+        key = (shape, keys.dtype, values.dtype, cap_old, cap)
+        c = self.copies.get(key)
+        if c is None:
+            b, h, t, d = shape
+            lead = (b, h, cap)
+            w1, w2 = codec.words1, codec.words2
+            if len(self.copies) > 64:
+                self.copies.clear()
+            consts = [self.signs, self.plan.tab, self.dtab, self.limit(codec, keys.dtype),
+                      self.copy_params(b * h * t, t, cap_old, cap)]
+            c = self.copies[key] = _Call(
+                _kernel(False, True), self.template + [("InT", keys.dtype)], [keys.dtype, values.dtype], consts,
+                [lead, lead + (w1,), lead + (w2,), lead, lead + (w1,), lead + (w2,)], list(_DTYPES), None, (d, 1, 1))
+        return c
 
     def limit(self, codec, dtype) -> mx.array:
         a = self.limits.get(dtype)
@@ -145,18 +166,46 @@ class _Setup:
         return a
 
 
+class _Call:
+    """One launch configuration's arguments that repeat from step to step: the kernel prepared for its
+    template and dtypes (:meth:`rvqstore.kernel_cache.CudaKernel.prepare`, made at the first launch, when
+    the inputs' dtypes are known), the constant inputs after keys and values, outputs, grid."""
+
+    __slots__ = ("kernel", "template", "in_dtypes", "consts", "shapes", "dtypes", "grid", "threadgroup", "run")
+
+    def __init__(self, kernel, template, in_dtypes, consts, shapes, dtypes, grid, threadgroup):
+        self.kernel, self.template, self.consts = kernel, template, consts
+        self.in_dtypes = in_dtypes  # of the inputs before the constants (keys, values)
+        self.shapes, self.dtypes, self.grid, self.threadgroup = shapes, dtypes, grid, threadgroup
+        self.run = None
+
+    def __call__(self, inputs: list, grid: tuple | None = None, shapes: list | None = None) -> list:
+        """The launch on ``inputs`` (``grid``/``shapes``: where they change from step to step)."""
+        run = self.run
+        if run is None:
+            in_dtypes = tuple(self.in_dtypes) + tuple(a.dtype for a in inputs[len(self.in_dtypes):])
+            prepare = getattr(self.kernel, "prepare", None)  # a kernel-cache kernel; else MLX's own callable
+            if prepare is None:
+                return self.kernel(inputs=inputs, template=self.template, grid=grid or self.grid,
+                                   threadgroup=self.threadgroup, output_shapes=shapes or self.shapes,
+                                   output_dtypes=self.dtypes)
+            run = self.run = prepare(self.template, in_dtypes, self.dtypes)
+        return run(inputs, shapes or self.shapes, grid or self.grid, self.threadgroup)
+
+
 _MISSING = object()
+_SETUP = "cache_append"  # this module's entry in codec.launch_setups
 
 
 def _setup(codec) -> _Setup | None:
     """The codec's launch setup, or None where the kernel does not take the codec (decided once)."""
-    s = _setups.get(codec, _MISSING)
+    s = codec.launch_setups.get(_SETUP, _MISSING)
     if s is _MISSING:
         try:
             s = _Setup(codec) if supported(codec) is None else None
         except ValueError:  # malformed tables: make_plan refused them
             s = None
-        _setups[codec] = s
+        codec.launch_setups[_SETUP] = s
     return s
 
 
@@ -179,11 +228,8 @@ def launch(codec, keys: mx.array, values: mx.array, resident: bool = False) -> t
     s = _setup(codec)
     if s is None:
         raise ValueError(f"the fused append does not take {codec!r}: {supported(codec)}")
-    kw = s.call(codec, tuple(keys.shape), keys.dtype, resident)
-    return tuple(_kernel(resident)(
-        inputs=[keys, values, s.signs, s.plan.tab, s.dtab, kw["limit"], kw["rows"]], template=kw["template"],
-        grid=kw["grid"], threadgroup=kw["threadgroup"], output_shapes=kw["output_shapes"],
-        output_dtypes=kw["output_dtypes"]))
+    c = s.call(codec, keys, values, resident)
+    return tuple(c([keys, values, *c.consts]))
 
 
 def launch_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple, n: int,
@@ -193,19 +239,11 @@ def launch_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, val
     s = _setup(codec)
     if s is None:
         raise ValueError(f"the fused append does not take {codec!r}: {supported(codec)}")
+    c = s.copy_call(codec, keys, values, key_buffers[0].shape[-1], cap)
     b, h, t, d = keys.shape
-    cap_old = key_buffers[0].shape[-1]
-    nk = b * h * t
     side = b * h * n * (codec.words1 + codec.words2 + 1)
-    groups = 2 * nk + -(-2 * side // d)
-    lead = (b, h, cap)
-    w1, w2 = codec.words1, codec.words2
-    return tuple(_kernel(False, True)(
-        inputs=[keys, values, s.signs, s.plan.tab, s.dtab, s.limit(codec, keys.dtype),
-                s.copy_params(nk, t, cap_old, cap), count_array(n), *key_buffers, *value_buffers],
-        template=s.template + [("InT", keys.dtype)], grid=(groups * d, 1, 1), threadgroup=(d, 1, 1),
-        output_shapes=[lead, lead + (w1,), lead + (w2,), lead, lead + (w1,), lead + (w2,)],
-        output_dtypes=_DTYPES))
+    groups = 2 * b * h * t + -(-2 * side // d)
+    return tuple(c([keys, values, *c.consts, count_array(n), *key_buffers, *value_buffers], (groups * d, 1, 1)))
 
 
 def append_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple, n: int,
@@ -215,8 +253,12 @@ def append_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, val
     s = None if n == 0 or cap > COPY_MAX_TOKENS else _served(codec, keys, values)
     if s is None:
         return None
-    grows = cap != key_buffers[0].shape[-1]
-    config = s.config(keys.dtype, False) + ("copy", grows)
+    config = s.config(keys.dtype, False, "copy", cap != key_buffers[0].shape[-1])
+    if config in _verified and config not in _disabled:  # checked: launch (a failure goes through serve)
+        try:
+            return launch_copy(codec, keys, values, key_buffers, value_buffers, n, cap)
+        except Exception:
+            pass
 
     def same_as_slice_updates(out):
         want = launch(codec, keys, values)
@@ -264,6 +306,11 @@ def append(codec, keys: mx.array, values: mx.array, resident: bool = False) -> t
     if s is None:
         return None
     config = s.config(keys.dtype, resident)
+    if config in _verified and config not in _disabled:  # checked: launch (a failure goes through serve)
+        try:
+            return launch(codec, keys, values, resident)
+        except Exception:
+            pass
 
     def same_as_encode(out):  # first use: build, run, compare with the codec's encode
         mx.eval(out)

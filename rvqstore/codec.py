@@ -185,6 +185,9 @@ class RVQCodec:
         self._dequantize_fn = mx.compile(self._dequantize_reference)
         self._luts: dict[str, tuple[mx.array, int]] = {}
         self._lut_fn = mx.compile(self._lut_decode)
+        #: per-codec launch setups of the CUDA step kernels (rvqstore.cache_append, rvqstore.cache_fetch),
+        #: made at their first use: an attribute, so a decode step finds them without a weak-dictionary lookup
+        self.launch_setups: dict = {}
 
     # ---- description ------------------------------------------------------------------------------
     @property

@@ -160,6 +160,46 @@ def test_a_cached_binary_is_launched_with_mlx_s_argument_convention(cache, monke
     assert len(compiled) == 2 and "const __half* x" in compiled[1]
 
 
+def test_a_prepared_launch_goes_straight_to_the_binary_after_its_first_launch(cache, monkeypatch):
+    calls = _Launches(monkeypatch)
+    k = _kernel()
+    run = k.prepare([("T", 1)], (mx.float32,), [mx.float32])
+    args = ([mx.array([1.0])], [(1,)], (32, 1, 1), (32, 1, 1))
+    checked = []
+    monkeypatch.setattr(kc.mx, "eval", lambda *a: checked.append(a))
+    run(*args)  # the first goes through the kernel: built, loaded, evaluated once
+    assert len(calls.pre) == 1 and len(checked) == 1 and run._entry is not None
+    kc.begin_launch_log()
+    run(*args)
+    run(*args)
+    assert len(calls.pre) == 3 and len(checked) == 1  # directly, and no second evaluation
+    assert calls.pre[2] == {**calls.pre[0], "inputs": args[0]} and len(kc.launched_binaries()) == 1
+    assert k(inputs=args[0], output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
+             threadgroup=(32, 1, 1), template=[("T", 1)]) is not None and len(calls.pre) == 4  # the same binary
+
+
+def test_a_prepared_launch_that_fails_goes_back_to_the_kernel_s_own_path(cache, monkeypatch):
+    calls = _Launches(monkeypatch)
+    k = _kernel()
+    run = k.prepare([("T", 1)], (mx.float32,), [mx.float32])
+    args = ([mx.array([1.0])], [(1,)], (32, 1, 1), (32, 1, 1))
+    run(*args)
+    failing = _Launches(monkeypatch, fail_precompiled=True)
+    out = run(*args)  # direct launch fails, then the kernel's path (fails again) falls back to MLX's JIT
+    assert out is not None and len(failing.pre) == 2 and len(failing.jit) == 1 and run._entry is None
+    run(*args)
+    assert len(failing.pre) == 2 and len(failing.jit) == 2 and len(calls.pre) == 1
+
+
+def test_cache_off_prepared_launches_use_the_jit_kernel(cache, monkeypatch):
+    monkeypatch.setenv(kc.ENV, "off")
+    calls = _Launches(monkeypatch)
+    run = _kernel().prepare([("T", 1)], (mx.float32,), [mx.float32])
+    for _ in range(2):
+        run([mx.array([1.0])], [(1,)], (32, 1, 1), (32, 1, 1))
+    assert not calls.pre and len(calls.jit) == 2 and calls.jit[1]["template"] == [("T", 1)]
+
+
 def test_compile_failure_falls_back_to_mlx_s_jit_once(cache, monkeypatch, caplog):
     _, compiled = cache
     calls = _Launches(monkeypatch)

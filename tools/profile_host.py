@@ -8,8 +8,9 @@ On an H200 a decode step is host-bound: what counts is the Python that builds th
 - the fused append / unpack launches go through rvqstore's own launch code and its kernel cache's
   ``CudaKernel.__call__`` (a precompiled entry, as on a machine whose kernel cache is warm) down to
   ``mx.fast.precompiled_cuda_kernel``, which returns preallocated arrays of the output shapes;
-- the attention kernel is stubbed at ``rvqstore.attention.kernel.launch`` / ``merge`` (its launch code
-  is being rewritten separately): they return preallocated arrays of the right shapes.
+- the attention kernel is stubbed at ``rvqstore.attention.kernel.launch`` / ``merge`` (and
+  ``kernel_mma.launch`` where the tree has it; that launch code is being rewritten separately): they
+  return preallocated arrays of the right shapes.
 
 So nearly every microsecond timed is rvqstore's Python (and MLX's graph building of slices and slice
 updates), the stand-ins' own cost is measured and printed (``stub_us``). Arms, stepped in turns (the
@@ -108,6 +109,9 @@ def stand_in(pkg, outputs: Outputs) -> None:
         return outputs.get([shape], [dtype])[0]
 
     kernel.launch, kernel.merge = launch, merge
+    mma = getattr(kernel, "kernel_mma", None)  # the tensor-core split kernel, where the tree has one
+    if mma is not None:
+        mma.launch = lambda view, q, n_queries, causal, scale: launch(view, q, n_queries, causal, "cuda")
 
 
 def precompiled(*, output_shapes, output_dtypes, **kw):
