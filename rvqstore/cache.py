@@ -134,6 +134,12 @@ class _Stream:
     def n(self) -> int:
         return self._n + self._staged_n
 
+    def buffers(self) -> tuple[mx.array | None, mx.array | None, mx.array | None]:
+        """``(scales, codes1, codes2)`` with what is staged written: the three properties in one call."""
+        if self._staged:
+            self._flush()
+        return self._scales, self._codes1, self._codes2
+
     @n.setter
     def n(self, value: int) -> None:
         self._flush()
@@ -294,6 +300,10 @@ class RVQKVCache:
         self.dtype: mx.Dtype | None = None
         self.geometry: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
         self._steps_off = False  # set when a compiled step path failed (rvqstore.cache_steps)
+        # fixed once the code streams exist (_set_streams): what every step would otherwise ask again
+        self._is_joint = False  # keys and values code alike (_joint)
+        self._steps_apply = False  # joint and two-stage: the compiled step paths and GPU launches apply
+        self._checked_shapes: tuple | None = None  # (keys, values) shapes of the last update that passed check_update
         self._step_fns: dict = {}  # rvqstore.cache_steps functions of this cache's codec and dtype
         self._state = state  # sink tokens and key mean (rvqstore.cache_state); None when both are off
         attention.install()  # mlx-lm's attention calls reach attend_on_codes (rvqstore.attention.hook)
@@ -349,14 +359,26 @@ class RVQKVCache:
     def _init_geometry(self, keys: mx.array, values: mx.array) -> None:
         """Check ``keys``/``values`` completely, then (first call only) fix geometry and dtype. Every
         check runs before any attribute changes: a refused call leaves the cache as it was."""
+        shapes = self._checked_shapes  # a decode step repeats the last update's shapes: checked already
+        if (shapes is not None and type(keys) is mx.array and type(values) is mx.array and keys.shape == shapes[0]
+                and values.shape == shapes[1] and keys.dtype == self.dtype and values.dtype == self.dtype):
+            return
         geo = check_update(keys, values, self.geometry)
         if self.geometry is not None:
+            self._checked_shapes = (keys.shape, values.shape)
             return
         # raises on a bad head dim
         key_codec, value_codec = self._codec(geo[2]), self._codec(geo[3], self.value_bits, self.value_step)
         self.geometry = geo
         self.dtype = keys.dtype
-        self._keys, self._values = _Stream(key_codec, geo[:2]), _Stream(value_codec, geo[:2])
+        self._set_streams(key_codec, value_codec)
+
+    def _set_streams(self, key_codec: RVQCodec, value_codec: RVQCodec) -> None:
+        """New code streams for the geometry set; what depends only on them is decided here, once."""
+        self._keys, self._values = _Stream(key_codec, self.geometry[:2]), _Stream(value_codec, self.geometry[:2])
+        self._is_joint = self.geometry[2] == self.geometry[3] and key_codec.same_code(value_codec)
+        self._steps_apply = self._is_joint and key_codec.bits2 > 0
+        self._checked_shapes = None
 
     def _target_coded(self, total: int) -> int:
         if self.dense_window == 0:
@@ -370,9 +392,12 @@ class RVQKVCache:
         t = keys.shape[2]
         if t == 0:  # as mlx-lm's KVCache: nothing appended, the (possibly empty) history returned
             return self._handed_out(self._fetch())
-        start_coded = self.n_coded
+        start_coded = self._keys.n
         if self._state is None:
-            self._take(keys, values, self.offset)
+            if self.dense_window == 0:  # a model's decode step: every token coded
+                self._append(keys, values)
+            else:
+                self._take(keys, values, self.offset)
         else:  # the positions that fall in the sink are held, not coded
             body = self.offset - self._state.n_sink
             keys, values = self._state.take_sink(keys, values, self.offset, self.dtype)
@@ -398,25 +423,25 @@ class RVQKVCache:
     def _handed_out(self, kv: tuple) -> tuple:
         """Remember (weakly) the keys/values handed to the model: attention on codes serves only calls
         that attend over exactly those (latent-attention models pass arrays derived from the cache's)."""
-        self._fetched = tuple(weakref.ref(a) for a in kv) if kv[0] is not None else None
+        self._fetched = (weakref.ref(kv[0]), weakref.ref(kv[1])) if kv[0] is not None else None
         return kv
 
     def _joint(self) -> bool:
         """Keys and values share a head dim and code alike: encode/decode them in one codec call (half the
         dispatches). Equal bits are not enough: grids of other steps, or a file's tables, differ."""
-        return self.geometry[2] == self.geometry[3] and self._keys.codec.same_code(self._values.codec)
+        return self._is_joint  # decided with the streams (_set_streams): codecs never change
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         if self._state is not None:  # keys minus the mean (set from these keys at the first coded update)
             keys = self._state.centered(keys, self.dtype)
-        if not self._joint():
+        if not self._is_joint:
             self._keys.append(keys)
             self._values.append(values)
             return
         # on a CUDA device: encode (resident: and decode) through one fused launch (rvqstore.cache_append;
         # what the launch writes is the mode's: rvqstore.cache_modes)
-        kernels = self.use_kernels and self._keys.codec.bits2
-        if (kernels and self._mode.kernel_append(self, keys, values)) or self._compiled_append(keys, values):
+        if (self.use_kernels and self._steps_apply and self._mode.kernel_append(self, keys, values)) or \
+                self._compiled_append(keys, values):
             return
         b = keys.shape[0]
         enc = self._keys.codec.encode(mx.concatenate([keys, values.astype(keys.dtype)], axis=0), check_finite=False)
@@ -426,7 +451,7 @@ class RVQKVCache:
 
     def _steps_ok(self) -> bool:
         """The compiled per-step paths apply (rvqstore.cache_steps): joint, two-stage, not switched off."""
-        return not self._steps_off and self._keys.codec.bits2 > 0 and self._joint()
+        return self._steps_apply and not self._steps_off
 
     def _write_codes(self, out: tuple, t: int) -> None:
         """Write a step's ``(ks, k1, k2, vs, v1, v2)`` after the coded tokens, with static slices (in
@@ -486,8 +511,10 @@ class RVQKVCache:
         return (k, v) if self._state is None else (self._state.restored(k, self.dtype), v)
 
     def _fetch(self) -> tuple[mx.array, mx.array]:
-        n = self.n_coded
+        n = 0 if self._keys is None else self._keys.n
         k, v = self._mode.coded(self, n) if n else (None, None)  # packed: decoded; resident: the copy
+        if self._state is None and self._dense_k is None and k is not None:  # a decode step: nothing else held
+            return k, v
         if self.n_dense:
             dk, dv = self._dense_k.astype(self.dtype), self._dense_v.astype(self.dtype)
             k = dk if k is None else mx.concatenate([k, dk], axis=2)
@@ -504,22 +531,24 @@ class RVQKVCache:
         """What attention on codes reads: the streams' buffers, the coded count and the window (the sink
         joined in front of it, keys minus the key mean: rvqstore.cache_state)."""
         k, v = self._keys, self._values
+        if self._dense_k is None and self._state is None:  # a decode step's cache: the codes alone
+            return attention.CodesView(k.codec, v.codec, self.geometry[1], k.n, k.buffers(), v.buffers(), None, None)
         dk, dv = (self._dense_k, self._dense_v) if self.n_dense else (None, None)
         if self._state is not None:
             dk, dv = self._state.attention_window(dk, dv)
-        return attention.CodesView(
-            k.codec, v.codec, self.geometry[1], self.n_coded,
-            (k.scales, k.codes1, k.codes2), (v.scales, v.codes1, v.codes2), dk, dv)
+        return attention.CodesView(k.codec, v.codec, self.geometry[1], k.n, k.buffers(), v.buffers(), dk, dv)
 
     def attend_on_codes(self, queries: mx.array, *, scale: float, mask=None, sinks=None) -> mx.array | None:
         """Attention of ``queries`` over this cache computed from the codes (packed mode), or None
         where decode-then-SDPA serves the call (resident mode holds decoded keys/values already;
         calls with many queries; see rvqstore.attention.dispatch)."""
-        if not self._mode.attends_on_codes or self.geometry is None:
+        geo = self.geometry
+        if not self._mode.attends_on_codes or geo is None:
             return None
-        if queries.ndim != 4 or queries.shape[1] % self.geometry[1] or queries.shape[-1] != self.geometry[2]:
-            raise InputShapeError(f"queries must be (B, n_heads, L, {self.geometry[2]}) with n_heads a multiple "
-                                  f"of {self.geometry[1]}, got {tuple(queries.shape)}")
+        shape = queries.shape
+        if len(shape) != 4 or shape[1] % geo[1] or shape[3] != geo[2]:
+            raise InputShapeError(f"queries must be (B, n_heads, L, {geo[2]}) with n_heads a multiple "
+                                  f"of {geo[1]}, got {tuple(shape)}")
         if self._state is not None:
             if sinks is not None and self._state.mean32 is not None:
                 return None  # learned attention sinks do not shift with the keys: decode-then-SDPA
@@ -682,8 +711,8 @@ class RVQKVCache:
         b, h, n = ks.shape
         c.geometry = (b, h, head_dims[0], head_dims[1])
         c.dtype = dtype
-        c._keys = _Stream(key_codec or c._codec(head_dims[0]), (b, h))
-        c._values = _Stream(value_codec or c._codec(head_dims[1], c.value_bits, c.value_step), (b, h))
+        c._set_streams(key_codec or c._codec(head_dims[0]),
+                       value_codec or c._codec(head_dims[1], c.value_bits, c.value_step))
         c.codec_bits, c.value_bits = c._keys.codec.bits, c._values.codec.bits
         c.step, c.value_step = c._keys.codec.step, c._values.codec.step  # the codecs' tables rule
         for stream, packed, d in ((c._keys, keys, head_dims[0]), (c._values, values, head_dims[1])):

@@ -77,14 +77,15 @@ class Packed(CodesOnly):
     def coded(self, cache: Any, n: int) -> tuple[mx.array, mx.array]:
         """The first ``n`` coded tokens decoded: one launch (CUDA) or one compiled call sliced to the
         used part where the step paths apply, else the codec's decode."""
-        if not cache._steps_ok():
+        if not cache._steps_apply or cache._steps_off:
             return cache._decode_range(0, n)
-        ks, vs = cache._keys, cache._values
-        kb, vb = (ks.scales, ks.codes1, ks.codes2), (vs.scales, vs.codes1, vs.codes2)
+        ks = cache._keys
+        kb, vb = ks.buffers(), cache._values.buffers()
         kv = cache_fetch.fetch(ks.codec, kb, vb, n, cache.dtype) if cache.use_kernels else None
-        mean = None if cache._state is None else cache._state.mean32
+        state = cache._state
         if kv is not None:  # the launch decodes the codes; a centering cache adds its key mean back
-            return kv if mean is None else (cache._state.restored(kv[0], cache.dtype), kv[1])
+            return kv if state is None or state.mean32 is None else (state.restored(kv[0], cache.dtype), kv[1])
+        mean = None if state is None else state.mean32
         fn = cache._step_fns.get(("decode", mean is not None))
         if fn is None:
             fn = cache._step_fns[("decode", mean is not None)] = cache_steps.decode_fn(ks.codec, cache.dtype,
@@ -99,10 +100,9 @@ class Packed(CodesOnly):
     def kernel_append(self, cache: Any, keys: mx.array, values: mx.array) -> bool:
         """(CUDA) append through the fused kernel: up to ``COPY_MAX_TOKENS`` whole new buffers from the
         copy append, else the launch's codes written with static slices."""
-        k = cache._keys
-        if k.n and self._copy_append(cache, keys, values):
+        if cache._keys.n and self._copy_append(cache, keys, values):
             return True
-        out = cache_append.append(k.codec, keys, values, False)
+        out = cache_append.append(cache._keys.codec, keys, values, False)
         if out is None:
             return False
         cache._write_codes(out, keys.shape[2])
@@ -113,12 +113,12 @@ class Packed(CodesOnly):
         """Short contexts: the kernel writes whole new buffers (old tokens + new), so the step needs
         no slice updates (rvqstore.cache_append.COPY_MAX_TOKENS)."""
         k, v = cache._keys, cache._values
-        n, cap = k.n, k.scales.shape[-1]
+        kb = k.buffers()
+        n, cap = k.n, kb[0].shape[-1]
         need = n + keys.shape[2]
         if need > cap:
             cap = -(-need // k.step) * k.step
-        out = cache_append.append_copy(k.codec, keys, values, (k.scales, k.codes1, k.codes2),
-                                       (v.scales, v.codes1, v.codes2), n, cap)
+        out = cache_append.append_copy(k.codec, keys, values, kb, v.buffers(), n, cap)
         if out is None:
             return False
         k.take_buffers(out[0], out[1], out[2], need)

@@ -202,3 +202,52 @@ def test_resident_steps_stage_their_codes_and_read_back_the_same():
         assert (a is None and b is None) or mx.array_equal(a, b)
     for a, b in zip(res.keys_and_values(), pk.keys_and_values()):
         assert mx.array_equal(a, b)
+
+
+def test_repeated_update_shapes_skip_the_full_check_but_nothing_else(monkeypatch):
+    # a decode step repeats the last update's shapes and dtype: check_update runs once for them; any other
+    # shape, dtype or type is checked again (and refused where it must be, leaving the cache as it was)
+    import rvqstore.cache as cache_module
+
+    checks = []
+    real = cache_module.check_update
+    monkeypatch.setattr(cache_module, "check_update", lambda *a: checks.append(1) or real(*a))
+    k, v = kv(8)
+    c = RVQKVCache((2, 2))
+    c.update_and_fetch(k[:, :, :4], v[:, :, :4])
+    c.update_and_fetch(k[:, :, 4:5], v[:, :, 4:5])
+    c.update_and_fetch(k[:, :, 5:6], v[:, :, 5:6])
+    assert len(checks) == 2  # the first update, then the first one-token update
+    for bad_k, bad_v in ((k[:, :, 6:7].astype(mx.int32), v[:, :, 6:7]), (np.array(k[:, :, 6:7]), v[:, :, 6:7]),
+                         (k[:, :, 6:7], v[:, :, 6:7].astype(mx.int32))):
+        with pytest.raises(InputShapeError):
+            c.update_and_fetch(bad_k, bad_v)
+    assert c.offset == 6 and len(checks) == 5
+    c.update_and_fetch(k[:, :, 6:7].astype(mx.float16), v[:, :, 6:7].astype(mx.float16))  # another dtype: checked
+    c.update_and_fetch(k[:, :, 7:8], v[:, :, 7:8])  # the cache's dtype, shapes checked: skipped
+    assert c.offset == 8 and len(checks) == 6
+    ref = RVQKVCache((2, 2))
+    feed(ref, k, v, [4, 1, 1])
+    ref.update_and_fetch(k[:, :, 6:7].astype(mx.float16), v[:, :, 6:7].astype(mx.float16))
+    ref.update_and_fetch(k[:, :, 7:8], v[:, :, 7:8])
+    for a, b in zip(c.keys_and_values(), ref.keys_and_values()):
+        assert mx.array_equal(a, b)
+
+
+def test_keys_and_values_code_jointly_only_with_the_same_tables():
+    # decided once per cache when its streams are made (_set_streams), from_packed's codecs included
+    k, v = kv(6)
+    c = RVQKVCache((2, 2))
+    c.update_and_fetch(k, v)
+    assert c._is_joint and c._steps_apply
+    for value_codec, joint in ((RVQCodec(64, (2, 2), step=0.2), False), (RVQCodec(64, (2, 2)), True)):
+        ks, kc1, kc2, vs, vc1, vc2 = c.state[:6]
+        enc = value_codec.encode(v)
+        back = RVQKVCache.from_packed(keys=(ks, kc1, kc2), values=(enc.scales, enc.codes1, enc.codes2),
+                                      dense_keys=None, dense_values=None, dtype=mx.float32, head_dims=(64, 64),
+                                      value_codec=value_codec, bits=(2, 2))
+        assert back._is_joint is joint
+        back.update_and_fetch(k[:, :, :1], v[:, :, :1])
+        kk, vv = back.keys_and_values()
+        want = value_codec.decode(value_codec.encode(mx.concatenate([v, v[:, :, :1]], axis=2)))
+        assert mx.array_equal(vv, want)

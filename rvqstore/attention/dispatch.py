@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import host, masks, ops
+from . import host, kernel, masks, ops
 from .view import CodesView
 
 #: queries per call up to which attention runs on the codes; above it, decode-then-SDPA. Measured on
@@ -24,14 +24,11 @@ MAX_QUERIES_ON_CODES = 16
 
 def attend(view: CodesView, queries: mx.array, scale: float, mask=None, sinks=None, *,
            use_kernels: bool = True) -> mx.array | None:
-    masks.check(mask)
-    if view.n_total == 0:
-        return None
-    if queries.shape[2] > MAX_QUERIES_ON_CODES:
+    if mask is not None:
+        masks.check(mask)
+    if view.n_coded + view.n_dense == 0 or queries.shape[2] > MAX_QUERIES_ON_CODES:
         return None
     if use_kernels and view.n_coded:
-        from . import kernel
-
         out = kernel.attend(view, queries, scale, mask, sinks)
         if out is not None:
             return out

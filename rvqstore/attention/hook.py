@@ -44,11 +44,15 @@ def _passes_its_own_arrays(cache: Any, keys: Any, values: Any) -> bool:
 
 def _make_wrapper(original: Callable) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        attend = None if _bypass or not _passes_its_own_arrays(cache, keys, values) else handler(cache)
-        if attend is not None:
-            out = attend(queries, scale=scale, mask=mask, sinks=sinks)
-            if out is not None:  # None: the cache chose decode-then-SDPA for this call
-                return out
+        # handler() and _passes_its_own_arrays() written out: this runs once per layer and decode step
+        if not _bypass:
+            fetched = getattr(cache, "_fetched", None)
+            if fetched is not None and fetched[0]() is keys and fetched[1]() is values:
+                attend = getattr(cache, "attend_on_codes", None)
+                if attend is not None:
+                    out = attend(queries, scale=scale, mask=mask, sinks=sinks)
+                    if out is not None:  # None: the cache chose decode-then-SDPA for this call
+                        return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.__wrapped__ = original

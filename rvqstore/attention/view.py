@@ -18,7 +18,7 @@ class CodesView:
     construction is kept cheap; a frozen dataclass costs three times as much to build)."""
 
     __slots__ = ("key_codec", "value_codec", "n_kv_heads", "n_coded", "key_buffers", "value_buffers",
-                 "dense_keys", "dense_values")
+                 "dense_keys", "dense_values", "n_dense")
 
     def __init__(self, key_codec: RVQCodec, value_codec: RVQCodec, n_kv_heads: int, n_coded: int,
                  key_buffers: tuple, value_buffers: tuple, dense_keys: mx.array | None,
@@ -31,10 +31,7 @@ class CodesView:
         self.value_buffers = value_buffers
         self.dense_keys = dense_keys  # (B, H, n_dense, Dk) or None
         self.dense_values = dense_values
-
-    @property
-    def n_dense(self) -> int:
-        return 0 if self.dense_keys is None else int(self.dense_keys.shape[2])
+        self.n_dense = 0 if dense_keys is None else int(dense_keys.shape[2])  # read on every call: kept
 
     @property
     def n_total(self) -> int:
