@@ -53,3 +53,26 @@ RVQ_FN void rvq_dec2(const uint* lut, uint f1, uint f2, uint& u0, uint& u1) {
     u1 = lut[((((f1 >> B1) & m1) << B2) | ((f2 >> B2) & m2)) * 32u];
   }
 }
+// the same where rows 8..15 of a and c are zero and unused (up to 8 query rows): their accumulators are
+// outputs nobody reads, so they take no registers
+RVQ_FN void rvq_mma_lo(float* c, const uint* a, uint b0, uint b1) {
+  float d2, d3;
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%10,%10};\n"
+      : "+f"(c[0]), "+f"(c[1]), "=f"(d2), "=f"(d3)
+      : "r"(a[0]), "r"(0u), "r"(a[2]), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
+}
+template <bool HI>
+RVQ_FN void rvq_mma_rows(float* c, const uint* a, uint b0, uint b1) {
+  if (HI) {
+    rvq_mma(c, a, b0, b1);
+  } else {
+    rvq_mma_lo(c, a, b0, b1);
+  }
+}
+// 2+2 codes: the table indices of the 8 coordinate pairs of a stage-1 word w1 and its stage-2 word w2 (pair p:
+// nibble p of w1 above nibble p of w2), as bytes: pair 2k in byte k of lo, pair 2k + 1 in byte k of hi
+RVQ_FN void rvq_idx22(uint w1, uint w2, uint& lo, uint& hi) {
+  lo = (w2 & 0x0F0F0F0Fu) | ((w1 << 4) & 0xF0F0F0F0u);
+  hi = ((w2 >> 4) & 0x0F0F0F0Fu) | (w1 & 0xF0F0F0F0u);
+}

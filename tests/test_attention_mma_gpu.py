@@ -69,6 +69,46 @@ def test_the_simt_kernel_still_serves_what_tensor_cores_do_not(monkeypatch):
     assert kernel._served(view, 4, mx.float16, "cuda") == (True, False)
 
 
+@pytest.mark.parametrize("bits,residual", [((2, 2), "conditional"), ((2, 2), "shared"), ((1, 1), "conditional"),
+                                           ((4, 2), "conditional"), ((4, 4), "shared"), ((2, 0), "conditional"),
+                                           ((4, 0), "conditional")])
+def test_the_kernel_table_decodes_like_the_codec(bits, residual):
+    """The kernel's view of the codes, modelled in numpy: every coordinate looked up in ``table`` the way the
+    kernel indexes it (pairs of neighbouring coordinates or single ones) is the codec's decoded value
+    rounded to fp16."""
+    c, _, _ = _cache(bits, 2, 37, 64 if bits[0] + bits[1] > 2 else 128, residual=residual)
+    view = c.codes_view()
+    kc = view.key_codec
+    b1, b2 = kc.bits1, kc.bits2
+    n, d = view.n_coded, kc.dim
+    _, c1, c2 = view.key_buffers
+    w1 = np.array(c1[:, :, :n]).astype(np.uint64)
+    w2 = np.array(c2[:, :, :n]).astype(np.uint64) if b2 else None
+    want = np.array(kc.dequantize(c1[:, :, :n], c2[:, :, :n] if b2 else None)).astype(np.float16)
+    lut = kernel_mma.table(kc)
+
+    def field(w, bits, coord, width):  # `width` codes of `bits` from coordinate `coord` on
+        if not bits:
+            return np.zeros(w1.shape[:-1], np.uint64)
+        per = 32 // bits
+        return (w[..., coord // per] >> np.uint64((coord % per) * bits)) & np.uint64((1 << (bits * width)) - 1)
+
+    got = np.zeros(want.shape, np.uint16)
+    pair = b1 + b2 <= 4
+    for coord in range(0, d, 2 if pair else 1):
+        if pair:
+            idx = (field(w1, b1, coord, 2) << np.uint64(2 * b2)) | field(w2, b2, coord, 2)
+            word = lut[idx.astype(np.int64)]
+            got[..., coord] = word & 0xFFFF
+            got[..., coord + 1] = word >> 16
+        else:
+            idx = (field(w1, b1, coord, 1) << np.uint64(b2)) | field(w2, b2, coord, 1)
+            word = lut[idx.astype(np.int64)]
+            got[..., coord] = word & 0xFFFF
+            assert np.array_equal(word >> 16, word & 0xFFFF)
+    assert np.array_equal(got.view(np.float16), want)
+
+
 # ---- on the GPU ------------------------------------------------------------------------------------------
 MMA_CASES = [
     # (bits, residual, d, hkv, group, L, n, b, window)
@@ -100,7 +140,7 @@ def test_gpu_tensor_core_kernel_parity(case, monkeypatch):
     o, ml = kernel_mma.launch(view, q, L, L > 1, scale)
     with mx.stream(mx.cpu):  # the model in exact float32
         q_rot = ops.rotate_queries(view, q.astype(mx.float32), scale).reshape(b, hkv, g * L, d)
-        ro, rml = kernel.partials_reference(view, q_rot, L, L > 1)
+        ro, rml = kernel.partials_reference(view, q_rot, L, L > 1, kernel_mma.TARGET_GROUPS)
         s_max = float(mx.abs(q_rot).max()) * 4.0 * d * float(view.key_buffers[0].astype(mx.float32).max())
         mx.eval(ro, rml)
     err_o = float(mx.abs(o - ro).max()) / (float(mx.abs(ro).max()) + 1e-30)

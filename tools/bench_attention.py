@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target-groups", default="", help="comma list: also time the first bits' codes arm with "
                     "launch_args.TARGET_GROUPS set to each (threadgroups per launch the split plan aims at)")
     ap.add_argument("--variants", default="", help="comma list of kernel variants (see above)")
+    ap.add_argument("--probes", default="", help="with --breakdown: also time the tensor-core kernel with parts "
+                    "switched off (kernel_mma.PROBE: 1 no code loads, 2 no table reads, 3 neither; wrong results)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     hq, hkv, d = a.heads, a.kv_heads, a.head_dim
@@ -91,8 +93,14 @@ def main(argv=None) -> int:
                 arms[f"merge-kernel-{bits}"] = (lambda view, o, ml: lambda q: kernel.merge(
                     view, o, ml, (1, hq, 1, d), q.dtype, dialect))(view, o, ml)
                 if kernel_mma.takes(view, hq // hkv, mx.float16, dialect):
-                    arms[f"mma-kernel-{bits}"] = (lambda view: lambda q: kernel_mma.launch(
-                        view, q, 1, False, d ** -0.5))(view)
+                    for probe in [0] + [int(x) for x in a.probes.split(",") if x]:
+                        def mma(q, view=view, probe=probe):
+                            kernel_mma.PROBE = probe
+                            try:
+                                return kernel_mma.launch(view, q, 1, False, d ** -0.5)
+                            finally:
+                                kernel_mma.PROBE = 0
+                        arms[f"mma-kernel-{bits}" + (f"-probe{probe}" if probe else "")] = mma
         times = {name: [] for name in arms}
         evals = {name: [] for name in arms}
         for name, f in arms.items():  # warm up: compile, first-use checks

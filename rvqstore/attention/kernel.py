@@ -286,11 +286,12 @@ def merge(view: CodesView, o: mx.array, ml: mx.array, shape: tuple, dtype, diale
                                      threadgroup=args[4], output_shapes=args[5], output_dtypes=args[6])[0]
 
 
-def partials_reference(view: CodesView, q_rot: mx.array, n_queries: int, causal: bool):
-    """The kernel's outputs computed with MLX ops (same splits, same definitions)."""
+def partials_reference(view: CodesView, q_rot: mx.array, n_queries: int, causal: bool, target: int | None = None):
+    """The kernel's outputs computed with MLX ops (same splits, same definitions; ``target``: the split
+    plan's threadgroups, as the kernel modelled was launched with)."""
     b, hkv, rows, dk = q_rot.shape
     n = view.n_coded
-    chunk, splits = split_plan(int(view.key_buffers[0].shape[-1]), b * hkv)
+    chunk, splits = split_plan(int(view.key_buffers[0].shape[-1]), b * hkv, target)
     yk, sk = view.rotated_keys()
     yv, sv = view.rotated_values()
     s = (q_rot @ yk.swapaxes(-1, -2)) * sk[:, :, None, :]  # (B, Hkv, R, n)

@@ -29,6 +29,9 @@ from .view import CodesView
 
 #: route eligible CUDA calls here (False: the SIMT kernel serves them; kept for same-run comparisons)
 TENSOR_CORES = True
+#: timing probes only (tools/bench_attention.py --probes; wrong results): 1 = no global loads of the codes and
+#: norms, 2 = no table reads (2+2), 3 = neither; 0 in every real call
+PROBE = 0
 MAX_ROWS = 16
 DIMS = (64, 128)
 
@@ -49,7 +52,7 @@ def _kernel():
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
         k = _kernels["mma"] = kernel_cache.cuda_kernel(
             name=f"rvq_attend_mma_{digest}",
-            input_names=["q", "sg", "qf", "ks", "k1", "k2", "vs", "v1", "v2", "tab", "cnt", "params"],
+            input_names=["q", "sg", "qf", "ks", "k1", "k2", "vs", "v1", "v2", "lut", "cnt", "params"],
             output_names=["o", "ml"], source=body, header=header, ensure_row_contiguous=True)
     return k
 
@@ -65,11 +68,49 @@ def takes(view: CodesView, rows: int, dtype, dialect: str) -> bool:
     return kc.bits1 in (1, 2, 4) and kc.bits2 in (0, 1, 2, 4) and kc.bits1 + kc.bits2 <= 8
 
 
+def table(codec) -> np.ndarray:
+    """The kernel's decode table (uint32 words of two fp16 halves, low first): ``y`` of the code pairs of two
+    neighbouring coordinates where ``bits1 + bits2 <= 4`` (index: their stage-1 bits above their stage-2
+    bits, the first coordinate's in the low bits of each), else of one coordinate, stored as ``(y, y)``.
+    ``y`` as the decode kernel computes it (float32), rounded to fp16 to nearest even."""
+    b1, b2 = codec.bits1, codec.bits2
+    tab = np.array(decode_table(codec)[0], dtype=np.float32)
+    c = np.arange(1 << (b1 + b2))
+    i1, i2 = c >> b2, c & ((1 << b2) - 1)
+    if not b2:
+        y = tab[i1]
+    elif codec.residual == "conditional":
+        y = tab[(i1 << b2) | i2]
+    else:
+        y = (tab[i1] + tab[(1 << b1) + i2]).astype(np.float32)
+    h = y.astype(np.float16).view(np.uint16).astype(np.uint32)
+    if b1 + b2 > 4:
+        return h | (h << 16)
+    e = np.arange(1 << (2 * (b1 + b2)))
+    n1, n2 = e >> (2 * b2), e & ((1 << (2 * b2)) - 1)
+    first = ((n1 & ((1 << b1) - 1)) << b2) | (n2 & ((1 << b2) - 1))
+    second = ((n1 >> b1) << b2) | (n2 >> b2)
+    return h[first] | (h[second] << 16)
+
+
+#: threadgroups per launch the split plan aims at: three per SM of an H200 (132 SMs) run at once at this
+#: kernel's register use, so one wave
+TARGET_GROUPS = 396
+
+
 class _Launch:
-    __slots__ = ("params", "sg", "qf", "tab", "two", "template", "grid", "shapes")
+    __slots__ = ("params", "sg", "qf", "lut", "two", "template", "grid", "shapes")
 
 
 _launches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key codec -> {config: _Launch}
+_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _table_array(codec) -> mx.array:
+    t = _tables.get(codec)
+    if t is None:
+        t = _tables[codec] = mx.array(table(codec))
+    return t
 _F32_2 = [mx.float32, mx.float32]
 _THREADGROUP = (THREADS, 1, 1)
 
@@ -79,22 +120,18 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     per = _launches.get(kc)
     if per is None:
         per = _launches[kc] = {}
-    key = (cap, bh, rows, n_queries, view.n_dense, causal, scale)
+    key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE)
     p = per.get(key)
     if p is not None:
         return p
     d = kc.dim
-    chunk, splits = split_plan(cap, bh)
-    tab, tabn = decode_table(kc)
+    chunk, splits = split_plan(cap, bh, TARGET_GROUPS)
     p = _Launch()
     p.params = static_params((cap, chunk, splits, n_queries, view.n_dense, int(causal)))
     p.sg = mx.array((kc.signs.astype(np.float64) / math.sqrt(d)).astype(np.float32))
     p.qf = mx.array([scale * _LOG2E / math.sqrt(d)], dtype=mx.float32)
-    p.tab, p.two = tab, kc.bits2 > 0
-    mode = fused.MODE_SINGLE if not p.two else (fused.MODE_CONDITIONAL if kc.residual == "conditional"
-                                                else fused.MODE_SHARED)
-    p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_MODE", mode), ("T_D", d), ("T_R", rows),
-                  ("T_TABN", tabn)]
+    p.lut, p.two = _table_array(kc), kc.bits2 > 0
+    p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_D", d), ("T_R", rows), ("T_PROBE", PROBE)]
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
     if len(per) > 64:
@@ -111,7 +148,7 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: fl
     vs, v1, v2 = view.value_buffers
     p = _plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, n_queries, causal, scale)
     out = _kernel()(
-        inputs=[q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.tab,
+        inputs=[q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut,
                 count_array(view.n_coded), p.params],
         template=p.template, grid=p.grid, threadgroup=_THREADGROUP, output_shapes=p.shapes, output_dtypes=_F32_2)
     return out[0], out[1]

@@ -47,9 +47,10 @@ def static_params(values: tuple) -> mx.array:
     return p
 
 
-def split_plan(n: int, bh: int) -> tuple[int, int]:
+def split_plan(n: int, bh: int, target: int | None = None) -> tuple[int, int]:
     """``(chunk, splits)`` for ``n`` token slots (the buffers' capacity: the plan, and so the launch,
-    changes only when they grow): tokens per threadgroup (a multiple of THREADS) and how many splits."""
-    want = max(1, TARGET_GROUPS // max(1, bh))
+    changes only when they grow): tokens per threadgroup (a multiple of THREADS) and how many splits,
+    aiming at ``target`` threadgroups (default :data:`TARGET_GROUPS`)."""
+    want = max(1, (TARGET_GROUPS if target is None else target) // max(1, bh))
     chunk = max(THREADS, -(-(-(-n // want)) // THREADS) * THREADS)
     return chunk, max(1, -(-n // chunk))
