@@ -423,7 +423,9 @@ class RVQKVCache:
     def _handed_out(self, kv: tuple) -> tuple:
         """Remember (weakly) the keys/values handed to the model: attention on codes serves only calls
         that attend over exactly those (latent-attention models pass arrays derived from the cache's)."""
-        self._fetched = (weakref.ref(kv[0]), weakref.ref(kv[1])) if kv[0] is not None else None
+        # (a mode that never attends on its codes hands out nothing the hook would serve: no references kept)
+        self._fetched = (weakref.ref(kv[0]), weakref.ref(kv[1])) if kv[0] is not None and \
+            self._mode.attends_on_codes else None
         return kv
 
     def _joint(self) -> bool:

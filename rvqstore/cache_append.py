@@ -221,6 +221,19 @@ def _served(codec, keys: mx.array, values: mx.array) -> _Setup | None:
 
 _DTYPES = [mx.bfloat16, mx.uint32, mx.uint32, mx.bfloat16, mx.uint32, mx.uint32]
 
+_counts: dict = {}  # n -> [n] uint32
+
+
+def shared_count(n: int) -> mx.array:
+    """``[n]`` as a uint32 array (:func:`count_array`), one per value for every layer and launch: a decode step's
+    layers all hold the same count, and a step's unpack count is the next step's copy count."""
+    a = _counts.get(n)
+    if a is None:
+        if len(_counts) > 256:
+            _counts.clear()
+        a = _counts[n] = count_array(n)
+    return a
+
 
 def launch(codec, keys: mx.array, values: mx.array, resident: bool = False) -> tuple:
     """The kernel's ``(ks, k1, k2, vs, v1, v2)`` for ``keys``/``values`` ``(B, H, T, D)`` (no checks);
@@ -243,7 +256,7 @@ def launch_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, val
     b, h, t, d = keys.shape
     side = b * h * n * (codec.words1 + codec.words2 + 1)
     groups = 2 * b * h * t + -(-2 * side // d)
-    return tuple(c([keys, values, *c.consts, count_array(n), *key_buffers, *value_buffers], (groups * d, 1, 1)))
+    return tuple(c([keys, values, *c.consts, shared_count(n), *key_buffers, *value_buffers], (groups * d, 1, 1)))
 
 
 def append_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple, n: int,

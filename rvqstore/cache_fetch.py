@@ -19,7 +19,6 @@ import mlx.core as mx
 import numpy as np
 
 from . import cache_append, cache_steps, first_use, fused, kernel_cache
-from .attention.kernel import count_array
 from .kernel_plan import DECODE, make_plan
 
 
@@ -98,7 +97,7 @@ def launch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype) -> tu
     b, h, cap = shape
     d = codec.dim
     c = s.call(shape, dtype)
-    out = c([*key_buffers, *value_buffers, s.signs, s.dtab, count_array(n), s.args(cap, b * h)],
+    out = c([*key_buffers, *value_buffers, s.signs, s.dtab, cache_append.shared_count(n), s.args(cap, b * h)],
             (2 * b * h * n * d, 1, 1), [(b, h, n, d), (b, h, n, d)])
     return out[0], out[1]
 
