@@ -76,3 +76,9 @@ RVQ_FN void rvq_idx22(uint w1, uint w2, uint& lo, uint& hi) {
   lo = (w2 & 0x0F0F0F0Fu) | ((w1 << 4) & 0xF0F0F0F0u);
   hi = ((w2 >> 4) & 0x0F0F0F0Fu) | (w1 & 0xF0F0F0F0u);
 }
+// the GPU's global nanosecond timer (timing probes)
+RVQ_FN unsigned long long rvq_clock() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}

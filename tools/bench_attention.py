@@ -30,11 +30,37 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from rvqstore import RVQKVCache, fused  # noqa: E402
 from rvqstore.attention import kernel, kernel_mma, launch_args  # noqa: E402
 
 import kernel_variants  # noqa: E402  (tools/)
+
+
+def _timeline(view, qs, hkv, hq, d, probe: int, calls: int = 5) -> dict:
+    """Medians over ``calls`` launches of the tensor-core kernel's clocks (ns, warp 0 of each threadgroup):
+    the kernel's span (first entry to last exit), per threadgroup setup / loop / merge, entry spread."""
+    spans, setup, loop, loop_max, tail, spread = [], [], [], [], [], []
+    for i in range(calls):
+        kernel_mma.PROBE = probe
+        try:
+            o, _ = kernel_mma.launch(view, qs[i % len(qs)], 1, False, d ** -0.5)
+        finally:
+            kernel_mma.PROBE = 0
+        mx.eval(o)
+        t = np.array(o[:, :, 0, :4]).view(np.uint32).astype(np.int64).reshape(-1, 4)
+        t = (t - t[:, :1].min()) % (1 << 32)  # relative to the first entry (low 32 bits of ns wrap)
+        spans.append(int(t[:, 3].max()))
+        setup.append(float(np.median(t[:, 1] - t[:, 0])))
+        loop.append(float(np.median(t[:, 2] - t[:, 1])))
+        loop_max.append(int((t[:, 2] - t[:, 1]).max()))
+        tail.append(float(np.median(t[:, 3] - t[:, 2])))
+        spread.append(int(t[:, 0].max()))
+    med = statistics.median
+    return {"threadgroups": int(t.shape[0]), "span_us": med(spans) / 1e3, "setup_us": med(setup) / 1e3,
+            "loop_us": med(loop) / 1e3, "loop_max_us": med(loop_max) / 1e3, "merge_us": med(tail) / 1e3,
+            "entry_spread_us": med(spread) / 1e3}
 
 
 def main(argv=None) -> int:
@@ -52,6 +78,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="", help="comma list of kernel variants (see above)")
     ap.add_argument("--probes", default="", help="with --breakdown: also time the tensor-core kernel with parts "
                     "switched off (kernel_mma.PROBE: 1 no code loads, 2 no table reads, 3 neither; wrong results)")
+    ap.add_argument("--timeline", action="store_true", help="CUDA: the tensor-core kernel's own clock per threadgroup "
+                    "(probe 4: entry, loop start, loop end, exit; with 5/6/7 also probes 1/2/3), first bits")
+    ap.add_argument("--mma-targets", default="", help="with --breakdown: also time the tensor-core kernel alone "
+                    "with kernel_mma.TARGET_GROUPS set to each (comma list)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     hq, hkv, d = a.heads, a.kv_heads, a.head_dim
@@ -63,6 +93,7 @@ def main(argv=None) -> int:
         v = mx.random.normal((1, hkv, n, d)).astype(mx.float16)
         qs = [mx.random.normal((1, hq, 1, d)).astype(mx.float16) for _ in range(4)]
         arms = {"sdpa": lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5)}
+        arms_views = []
         for bits in a.bits.split(","):
             b = tuple(int(x) for x in bits.split("+"))
             c = RVQKVCache(b)
@@ -82,6 +113,8 @@ def main(argv=None) -> int:
                 arms[f"codes-{bits}-{var}"] = (lambda c, var: lambda q: kernel_variants.run(
                     var, lambda: c.attend_on_codes(q, scale=d ** -0.5)))(c, var)
             dialect = fused.gpu_backend()
+            if bits == a.bits.split(",")[0]:
+                arms_views.append(c.codes_view())
             if a.breakdown and dialect and bits == a.bits.split(",")[0]:
                 # the two launches alone (no Python dispatch around them): where the time goes
                 view = c.codes_view()
@@ -101,6 +134,19 @@ def main(argv=None) -> int:
                             finally:
                                 kernel_mma.PROBE = 0
                         arms[f"mma-kernel-{bits}" + (f"-probe{probe}" if probe else "")] = mma
+                    for tg in (int(x) for x in a.mma_targets.split(",") if x):
+                        def mma_tg(q, view=view, tg=tg):
+                            old, kernel_mma.TARGET_GROUPS = kernel_mma.TARGET_GROUPS, tg
+                            try:
+                                return kernel_mma.launch(view, q, 1, False, d ** -0.5)
+                            finally:
+                                kernel_mma.TARGET_GROUPS = old
+                        arms[f"mma-kernel-{bits}-tg{tg}"] = mma_tg
+        timeline = {}
+        if a.timeline and dialect == "cuda":
+            view = arms_views[0] if arms_views else None
+            for probe in (4, 5, 6, 7) if view is not None else ():
+                timeline[f"probe{probe}"] = _timeline(view, qs, hkv, hq, d, probe)
         times = {name: [] for name in arms}
         evals = {name: [] for name in arms}
         for name, f in arms.items():  # warm up: compile, first-use checks
@@ -121,7 +167,7 @@ def main(argv=None) -> int:
                 mx.eval(outs)
                 mx.synchronize()
                 evals[name].append((time.perf_counter() - t0) / a.k * 1e3)
-        row = {"context": n, "ms": {name: statistics.median(t) for name, t in times.items()},
+        row = {"context": n, "timeline": timeline, "ms": {name: statistics.median(t) for name, t in times.items()},
                "eval_ms": {name: statistics.median(t) for name, t in evals.items()}}
         row["speedup_vs_sdpa"] = {name: row["ms"]["sdpa"] / ms for name, ms in row["ms"].items()
                                   if name.startswith("codes")}

@@ -120,7 +120,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     per = _launches.get(kc)
     if per is None:
         per = _launches[kc] = {}
-    key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE)
+    key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS)
     p = per.get(key)
     if p is not None:
         return p
