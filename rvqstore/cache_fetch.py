@@ -70,8 +70,8 @@ class _Setup:
             if len(self.calls) > 16:
                 self.calls.clear()
             c = self.calls[(shape, dtype)] = cache_append._Call(
-                _kernel(), self.template + [("OutT", dtype)], [], [self.signs, self.dtab], None, [dtype, dtype],
-                None, (self.template[0][1], 1, 1))
+                _kernel(), self.template + [("OutT", dtype)], [], [self.signs, self.dtab, self.args(cap, b * h)],
+                None, [dtype, dtype], None, (self.template[0][1], 1, 1))
         return c
 
 
@@ -92,12 +92,12 @@ def _setup(codec):
 def launch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype) -> tuple[mx.array, mx.array]:
     """Decoded keys and values ``(B, H, n, D)`` in ``dtype`` of the buffers' first ``n`` tokens."""
     s = _setup(codec)
-    ks = key_buffers[0]
-    shape = ks.shape
-    b, h, cap = shape
+    shape = key_buffers[0].shape
+    b, h, _ = shape
     d = codec.dim
     c = s.call(shape, dtype)
-    out = c([*key_buffers, *value_buffers, s.signs, s.dtab, cache_append.shared_count(n), s.args(cap, b * h)],
+    signs, dtab, args = c.consts  # args: [capacity, B * H], fixed with the buffers' shape
+    out = c([*key_buffers, *value_buffers, signs, dtab, cache_append.shared_count(n), args],
             (2 * b * h * n * d, 1, 1), [(b, h, n, d), (b, h, n, d)])
     return out[0], out[1]
 

@@ -76,7 +76,9 @@ class Outputs:
         self.made: dict = {}
 
     def get(self, shapes, dtypes) -> list:
-        key = (tuple(map(tuple, shapes)), tuple(dtypes))
+        # keyed by the shapes and the last dtype (the one that differs between configurations here: the
+        # decoded outputs' float16/bfloat16; codes are always bfloat16 norms and uint32 words), kept cheap
+        key = (tuple(map(tuple, shapes)), dtypes[-1])
         out = self.made.get(key)
         if out is None:
             out = self.made[key] = [mx.zeros(s, d) for s, d in zip(key[0], dtypes)]
