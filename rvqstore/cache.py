@@ -463,13 +463,16 @@ class RVQKVCache:
             k.stage(out[0], out[1], out[2])
             v.stage(out[3], out[4], out[5])
             return
-        k._grow(k.lead, k.n + t)
-        v._grow(v.lead, v.n + t)
-        n, end = k.n, k.n + t
+        n = k.n
+        end = n + t
+        k._grow(k.lead, end)
+        v._grow(v.lead, end)
+        ks, k1, k2 = k.buffers()  # staged steps written first
+        vs, v1, v2 = v.buffers()
         # [:, :, n:end] rather than [..., n:end, :]: the same update, built in 2/3 of the host time
-        k.scales[:, :, n:end], k.codes1[:, :, n:end], k.codes2[:, :, n:end] = out[0], out[1], out[2]
-        v.scales[:, :, n:end], v.codes1[:, :, n:end], v.codes2[:, :, n:end] = out[3], out[4], out[5]
-        k.n = v.n = end
+        ks[:, :, n:end], k1[:, :, n:end], k2[:, :, n:end] = out[0], out[1], out[2]
+        vs[:, :, n:end], v1[:, :, n:end], v2[:, :, n:end] = out[3], out[4], out[5]
+        k._n = v._n = end  # nothing staged now (buffers() wrote it)
 
     def _compiled_append(self, keys: mx.array, values: mx.array) -> bool:
         """Append through one compiled call; False where the unfused path must run (the first append,

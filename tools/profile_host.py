@@ -22,6 +22,7 @@ commit) its packed and resident arms step beside this tree's, so a before/after 
 
     python tools/profile_host.py --rounds 30
     python tools/profile_host.py --rounds 30 --against /tmp/before --json tools/results/host-build-cpu.json
+    python tools/profile_host.py --rounds 15 --context 32768 --against /tmp/before --json tools/results/host-build-cpu.json
     python tools/profile_host.py --profile packed    # cProfile of the packed arm's steps
 
 Each round: ``--steps`` one-token steps over ``--layers`` layers (8 KV heads, 32 query heads, head dim
@@ -269,8 +270,10 @@ def main(argv=None) -> int:
     print(json.dumps(result, indent=1))
     if prof:
         print(prof)
-    if a.json:
-        a.json.write_text(json.dumps(result, indent=1) + "\n")
+    if a.json:  # one entry per context: runs at other contexts already in the file are kept
+        runs = json.loads(a.json.read_text()).get("runs", {}) if a.json.exists() else {}
+        runs[str(a.context)] = result
+        a.json.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     return 0
 
 
