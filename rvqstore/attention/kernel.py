@@ -286,19 +286,29 @@ def merge(view: CodesView, o: mx.array, ml: mx.array, shape: tuple, dtype, diale
                                      threadgroup=args[4], output_shapes=args[5], output_dtypes=args[6])[0]
 
 
-def partials_reference(view: CodesView, q_rot: mx.array, n_queries: int, causal: bool, target: int | None = None):
+def partials_reference(view: CodesView, q_rot: mx.array, n_queries: int, causal: bool, target: int | None = None,
+                       block: int | None = None):
     """The kernel's outputs computed with MLX ops (same splits, same definitions; ``target``: the split
-    plan's threadgroups, as the kernel modelled was launched with)."""
+    plan's threadgroups, as the kernel modelled was launched with; ``block``: tokens dealt to the splits in
+    turn in blocks of this size, as the tensor-core kernel does, instead of a contiguous chunk each)."""
     b, hkv, rows, dk = q_rot.shape
     n = view.n_coded
     chunk, splits = split_plan(int(view.key_buffers[0].shape[-1]), b * hkv, target)
     yk, sk = view.rotated_keys()
     yv, sv = view.rotated_values()
-    s = (q_rot @ yk.swapaxes(-1, -2)) * sk[:, :, None, :]  # (B, Hkv, R, n)
+    tok = np.arange(n)
+    if block:  # token t to split (t // block) % splits: slot i of the split-major order holds token tok[i]
+        chunk = -(-n // (block * splits)) * block
+        tok = np.arange(splits * chunk).reshape(-1, splits, block).transpose(1, 0, 2).reshape(-1)
+        idx = mx.array(np.minimum(tok, max(n - 1, 0)))
+        yk, sk, yv, sv = (mx.take(a, idx, axis=2) for a in (yk, sk, yv, sv))
+    s = (q_rot @ yk.swapaxes(-1, -2)) * sk[:, :, None, :]  # (B, Hkv, R, slots)
+    valid = mx.array(tok < n)[None, :]
     if causal:
         pos = view.n_total - n_queries + (mx.arange(rows) % n_queries)
-        s = mx.where(mx.arange(n)[None, :] <= pos[:, None], s, -mx.inf)
-    pad = splits * chunk - n
+        valid = valid & (mx.array(tok)[None, :] <= pos[:, None])
+    s = mx.where(valid, s, -mx.inf)
+    pad = splits * chunk - s.shape[-1]
     s = mx.pad(s, [(0, 0), (0, 0), (0, 0), (0, pad)], constant_values=-float("inf"))
     s = s.reshape(b * hkv, rows, splits, chunk).transpose(0, 2, 1, 3)  # (BH, S, R, chunk)
     m = s.max(axis=-1)

@@ -93,6 +93,11 @@ def table(codec) -> np.ndarray:
     return h[first] | (h[second] << 16)
 
 
+#: deal blocks of 64 tokens to the splits in turn (block b to split b % splits) instead of a contiguous chunk
+#: per split: all threadgroups of a head then read neighbouring blocks at any moment
+STRIDED = True
+#: tokens per block dealt to a split (one 16-token tile per warp, 4 warps)
+BLOCK = 64
 #: threadgroups per launch the split plan aims at: three per SM of an H200 (132 SMs) run at once at this
 #: kernel's register use, so one wave
 TARGET_GROUPS = 396
@@ -120,7 +125,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     per = _launches.get(kc)
     if per is None:
         per = _launches[kc] = {}
-    key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS)
+    key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS, STRIDED)
     p = per.get(key)
     if p is not None:
         return p
@@ -131,7 +136,8 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     p.sg = mx.array((kc.signs.astype(np.float64) / math.sqrt(d)).astype(np.float32))
     p.qf = mx.array([scale * _LOG2E / math.sqrt(d)], dtype=mx.float32)
     p.lut, p.two = _table_array(kc), kc.bits2 > 0
-    p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_D", d), ("T_R", rows), ("T_PROBE", PROBE)]
+    p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_D", d), ("T_R", rows), ("T_STRIDE", int(STRIDED)),
+                  ("T_PROBE", PROBE)]
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
     if len(per) > 64:
