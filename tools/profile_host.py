@@ -24,6 +24,7 @@ commit) its packed and resident arms step beside this tree's, so a before/after 
     python tools/profile_host.py --rounds 30 --against /tmp/before --json tools/results/host-build-cpu.json
     python tools/profile_host.py --rounds 15 --context 32768 --against /tmp/before --json tools/results/host-build-cpu.json
     python tools/profile_host.py --profile packed    # cProfile of the packed arm's steps
+    python tools/profile_host.py --attention-launches # the attention kernel's launch code timed as well
 
 Each round: ``--steps`` one-token steps over ``--layers`` layers (8 KV heads, 32 query heads, head dim
 128, float16, batch 1, no mask: mlx-lm's single-token call) at ``--context`` tokens, then a trim back
@@ -87,7 +88,7 @@ class Outputs:
         return out
 
 
-def stand_in(pkg, outputs: Outputs) -> None:
+def stand_in(pkg, outputs: Outputs, attention_launches: bool = False) -> None:
     """Enter ``pkg``'s CUDA path on this CPU with kernel nodes that cost ~nothing (module docstring)."""
     from importlib import import_module
 
@@ -111,6 +112,8 @@ def stand_in(pkg, outputs: Outputs) -> None:
     def merge(view, o, ml, shape, dtype, dialect):
         return outputs.get([shape], [dtype])[0]
 
+    if attention_launches:  # --attention-launches: the attention kernel's own launch code timed too
+        return
     kernel.launch, kernel.merge = launch, merge
     mma = getattr(kernel, "kernel_mma", None)  # the tensor-core split kernel, where the tree has one
     if mma is not None:
@@ -186,7 +189,8 @@ def settle(caches, n_steps: int) -> None:
             mx.eval(c._mode.keys, c._mode.values)
 
 
-def run(packages: dict, layers: int, context: int, rounds: int, n_steps: int, profile: str | None) -> dict:
+def run(packages: dict, layers: int, context: int, rounds: int, n_steps: int, profile: str | None,
+        attention_launches: bool = False) -> dict:
     rng = np.random.default_rng(1)
     steps = [(mx.array(rng.standard_normal((1, HQ, 1, D)).astype(np.float16)), kv(rng, 1), kv(rng, 1))
              for _ in range(n_steps)]
@@ -194,7 +198,7 @@ def run(packages: dict, layers: int, context: int, rounds: int, n_steps: int, pr
     arms = make_arms(packages, layers, context)  # filled on the CPU path, then the CUDA path's stand-ins
     mx.fast.precompiled_cuda_kernel = precompiled
     for pkg in packages.values():
-        stand_in(pkg, STUB_OUTPUTS)
+        stand_in(pkg, STUB_OUTPUTS, attention_launches)
     names = list(arms)
     scale = D ** -0.5
     times = {n: ([], []) for n in names}
@@ -255,6 +259,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--against", type=Path, help="a folder holding another copy of the rvqstore package")
     ap.add_argument("--profile", choices=("packed", "resident"), help="print a cProfile of this arm's steps")
+    ap.add_argument("--attention-launches", action="store_true",
+                    help="stub the attention kernel at MLX's precompiled launch (its launch code timed) instead "
+                         "of at kernel.launch/merge")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     mx.set_default_device(mx.cpu)
@@ -262,17 +269,18 @@ def main(argv=None) -> int:
     if a.against is not None:
         packages["before"] = load_as("rvqstore_against", a.against.resolve())
     packages["this"] = rvqstore
-    res = run(packages, a.layers, a.context, a.rounds, a.steps, a.profile)
+    res = run(packages, a.layers, a.context, a.rounds, a.steps, a.profile, a.attention_launches)
     prof = res.pop("profile", None)
     result = {"context": a.context, "layers": a.layers, "rounds": a.rounds, "steps_per_round": a.steps,
               "against": None if a.against is None else str(a.against), "stub_us": round(stub_cost(), 3),
+              "attention_stubbed_at": "precompiled launch" if a.attention_launches else "kernel.launch/merge",
               "arms": res}
     print(json.dumps(result, indent=1))
     if prof:
         print(prof)
     if a.json:  # one entry per context: runs at other contexts already in the file are kept
         runs = json.loads(a.json.read_text()).get("runs", {}) if a.json.exists() else {}
-        runs[str(a.context)] = result
+        runs[f"{a.context}{'-attention-launches' if a.attention_launches else ''}"] = result
         a.json.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     return 0
 
