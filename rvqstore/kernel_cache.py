@@ -97,12 +97,14 @@ def cuda_type(dtype) -> str:
 # ---- the translation unit ----------------------------------------------------------------------------
 def translation_unit(func_name: str, header: str, body: str, inputs: list[tuple[str, str]],
                      outputs: list[tuple[str, str]], template: list[tuple[str, Any]],
-                     default_header: str = DEFAULT_HEADER, extern_c: bool = True) -> str:
+                     default_header: str = DEFAULT_HEADER, extern_c: bool = True, launch_bounds: str = "") -> str:
     """The CUDA source of one kernel, wrapped as MLX's ``cuda_kernel`` wraps a body.
 
     ``inputs`` / ``outputs``: ``(name, C++ type)`` in argument order; ``template``: ``(name, value)`` with
     int, bool or an MLX dtype values (``constexpr int`` / ``constexpr bool`` / ``using``). ``extern_c``
     gives the function C linkage (its symbol is then ``func_name``, which the precompiled launch names).
+    ``launch_bounds``: e.g. ``"128, 3"`` (threads per block, blocks per SM): a register budget MLX's own
+    wrapping cannot give (its JIT fallback runs without it).
     """
     args = [f"    const {t}* {n}" for n, t in inputs] + [f"    {t}* {n}" for n, t in outputs]
     consts = []
@@ -115,7 +117,7 @@ def translation_unit(func_name: str, header: str, body: str, inputs: list[tuple[
             consts.append(f"  using {name} = {cuda_type(value)};\n")
     link = 'extern "C" ' if extern_c else ""
     return (f"{default_header}\n{header}namespace mlx::core::cu {{\n\n"
-            f"{link}__global__ void {func_name}(\n" + ",\n".join(args) + ") {\n" + "".join(consts)
+            f"{link}__global__ void {f'__launch_bounds__({launch_bounds}) ' if launch_bounds else ''}{func_name}(\n" + ",\n".join(args) + ") {\n" + "".join(consts)
             + ("\n" if consts else "") + body + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
@@ -393,8 +395,9 @@ class CudaKernel:
     """``mx.fast.cuda_kernel``'s callable, launched from the disk cache (see the module's docstring)."""
 
     def __init__(self, name: str, input_names: list[str], output_names: list[str], source: str,
-                 header: str = "", ensure_row_contiguous: bool = True):
+                 header: str = "", ensure_row_contiguous: bool = True, launch_bounds: str = ""):
         self.name = name
+        self.launch_bounds = launch_bounds
         self.input_names = list(input_names)
         self.output_names = list(output_names)
         self.source = source
@@ -406,7 +409,7 @@ class CudaKernel:
         # MLX passes shapes/strides to a body that names them; a precompiled launch passes none
         self._needs_shapes = any(re.search(rf"\b{re.escape(n)}_(shape|strides|ndim)\b", source)
                                  for n in self.input_names)
-        self.digest = hashlib.sha256((header + "\0" + source).encode()).hexdigest()[:16]
+        self.digest = hashlib.sha256((header + "\0" + source + "\0" + launch_bounds).encode()).hexdigest()[:16]
 
     def jit(self):
         if self._jit is None:
@@ -423,7 +426,8 @@ class CudaKernel:
         func = f"rvq_{re.sub(r'[^A-Za-z0-9_]', '_', self.name)[:48]}_{sig}"
         tu = translation_unit(func, self.header, self.source,
                               [(n, cuda_type(d)) for n, d in zip(self.input_names, in_dtypes)],
-                              [(n, cuda_type(d)) for n, d in zip(self.output_names, out_dtypes)], template)
+                              [(n, cuda_type(d)) for n, d in zip(self.output_names, out_dtypes)], template,
+                              launch_bounds=self.launch_bounds)
         return func, tu
 
     def _entry(self, key, template, in_dtypes, out_dtypes):
@@ -525,9 +529,10 @@ _MISSING = object()
 
 
 def cuda_kernel(name: str, input_names: list[str], output_names: list[str], source: str, header: str = "",
-                ensure_row_contiguous: bool = True) -> CudaKernel:
-    """A drop-in for ``mx.fast.cuda_kernel`` whose compiled code is cached across processes."""
-    return CudaKernel(name, input_names, output_names, source, header, ensure_row_contiguous)
+                ensure_row_contiguous: bool = True, launch_bounds: str = "") -> CudaKernel:
+    """A drop-in for ``mx.fast.cuda_kernel`` whose compiled code is cached across processes (``launch_bounds``:
+    see :func:`translation_unit`)."""
+    return CudaKernel(name, input_names, output_names, source, header, ensure_row_contiguous, launch_bounds)
 
 
 # ---- first-use verdicts, per machine ---------------------------------------------------------------------

@@ -53,7 +53,8 @@ def _kernel():
         k = _kernels["mma"] = kernel_cache.cuda_kernel(
             name=f"rvq_attend_mma_{digest}",
             input_names=["q", "sg", "qf", "ks", "k1", "k2", "vs", "v1", "v2", "lut", "cnt", "params"],
-            output_names=["o", "ml"], source=body, header=header, ensure_row_contiguous=True)
+            output_names=["o", "ml"], source=body, header=header, ensure_row_contiguous=True,
+            launch_bounds=f"{THREADS}, {BLOCKS_PER_SM}")
     return k
 
 
@@ -98,8 +99,9 @@ def table(codec) -> np.ndarray:
 STRIDED = True
 #: tokens per block dealt to a split (one 16-token tile per warp, 4 warps)
 BLOCK = 64
-#: threadgroups per launch the split plan aims at: three per SM of an H200 (132 SMs) run at once at this
-#: kernel's register use, so one wave
+#: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
+BLOCKS_PER_SM = 3
+#: threadgroups per launch the split plan aims at: BLOCKS_PER_SM per SM of an H200 (132 SMs), one wave
 TARGET_GROUPS = 396
 
 
