@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import first_use, fused, kernel_cache
-from .attention.kernel import count_array
+from .attention.launch_args import shared_count
 from .codec import EncodedVectors
 from .kernel_plan import DECODE, ENCODE, make_plan
 
@@ -220,20 +220,6 @@ def _served(codec, keys: mx.array, values: mx.array) -> _Setup | None:
 
 
 _DTYPES = [mx.bfloat16, mx.uint32, mx.uint32, mx.bfloat16, mx.uint32, mx.uint32]
-
-_counts: dict = {}  # n -> [n] uint32
-
-
-def shared_count(n: int) -> mx.array:
-    """``[n]`` as a uint32 array (:func:`count_array`), one per value for every layer and launch: a decode step's
-    layers all hold the same count, and a step's unpack count is the next step's copy count."""
-    a = _counts.get(n)
-    if a is None:
-        if len(_counts) > 256:
-            _counts.clear()
-        a = _counts[n] = count_array(n)
-    return a
-
 
 def launch(codec, keys: mx.array, values: mx.array, resident: bool = False) -> tuple:
     """The kernel's ``(ks, k1, k2, vs, v1, v2)`` for ``keys``/``values`` ``(B, H, T, D)`` (no checks);

@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import fused, kernel_cache
 from . import kernel_mma, masks, ops
-from .launch_args import THREADS, count_array, decode_table, split_plan
+from .launch_args import THREADS, decode_table, prepared, shared_count, split_plan
 from .launch_args import static_params as _static
 from .view import CodesView
 
@@ -198,7 +198,7 @@ class _Launch:
     """Everything of one launch that stays the same from step to step (made once per configuration:
     a decode step then costs a dictionary lookup and the kernel call, not a dozen Python steps)."""
 
-    __slots__ = ("params", "qsg", "tab", "two", "template", "grid", "shapes")
+    __slots__ = ("params", "qsg", "tab", "two", "template", "grid", "shapes", "run")
 
 
 _F32_2 = [mx.float32, mx.float32]
@@ -234,6 +234,7 @@ def _launch_plan(view: CodesView, cap: int, bh: int, rows: int, dk: int, n_queri
                   ("T_VPL", value_coords(vc.dim))]
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, vc.dim), (bh, splits, rows, 2)]
+    p.run = None  # the prepared launch (CUDA), made at the first call
     if len(per) > 64:
         per.clear()
     per[key] = p
@@ -258,10 +259,15 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: 
     p = _launch_plan(view, ks.shape[-1], b * hkv, h * l // hkv, dk, n_queries, causal, scale, q.dtype)
     if dialect == "metal":  # Metal reads the norms as their uint16 bits; CUDA reinterprets the bfloat16
         ks, vs = ks.view(mx.uint16), vs.view(mx.uint16)
-    out = _kernel(dialect)(
-        inputs=[q, p.qsg, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.tab, count_array(view.n_coded),
-                p.params],
-        template=p.template, grid=p.grid, threadgroup=_THREADGROUP, output_shapes=p.shapes, output_dtypes=_F32_2)
+    inputs = [q, p.qsg, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.tab, shared_count(view.n_coded),
+              p.params]
+    if dialect == "metal":
+        out = _kernel(dialect)(inputs=inputs, template=p.template, grid=p.grid, threadgroup=_THREADGROUP,
+                               output_shapes=p.shapes, output_dtypes=_F32_2)
+    else:
+        if p.run is None:
+            p.run = prepared(_kernel(dialect), p.template, inputs, _F32_2)
+        out = p.run(inputs, p.shapes, p.grid, _THREADGROUP)
     return out[0], out[1]
 
 
@@ -279,11 +285,16 @@ def merge(view: CodesView, o: mx.array, ml: mx.array, shape: tuple, dtype, diale
     if args is None:
         b, hq, l, dv = shape
         bh, splits, rows, _ = o.shape
-        args = per[key] = (_folded_signs(vc, 1.0 / dv), _static((splits, hq // view.n_kv_heads, l)),
+        args = per[key] = [_folded_signs(vc, 1.0 / dv), _static((splits, hq // view.n_kv_heads, l)),
                            [("T_DV", dv), ("T_R", rows), ("OutT", dtype)], (bh * rows * dv, 1, 1), (dv, 1, 1),
-                           [tuple(shape)], [dtype])
-    return _kernel(dialect, "merge")(inputs=[o, ml, args[0], args[1]], template=args[2], grid=args[3],
-                                     threadgroup=args[4], output_shapes=args[5], output_dtypes=args[6])[0]
+                           [tuple(shape)], [dtype], None]
+    inputs = [o, ml, args[0], args[1]]
+    if dialect == "metal":
+        return _kernel(dialect, "merge")(inputs=inputs, template=args[2], grid=args[3], threadgroup=args[4],
+                                         output_shapes=args[5], output_dtypes=args[6])[0]
+    if args[7] is None:  # the prepared launch, made at the first call
+        args[7] = prepared(_kernel(dialect, "merge"), args[2], inputs, args[6])
+    return args[7](inputs, args[5], args[3], args[4])[0]
 
 
 def partials_reference(view: CodesView, q_rot: mx.array, n_queries: int, causal: bool, target: int | None = None,

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import fused, kernel_cache
-from .launch_args import THREADS, count_array, decode_table, split_plan, static_params
+from .launch_args import THREADS, decode_table, prepared, shared_count, split_plan, static_params
 from .view import CodesView
 
 #: route eligible CUDA calls here (False: the SIMT kernel serves them; kept for same-run comparisons)
@@ -106,7 +106,7 @@ TARGET_GROUPS = 396
 
 
 class _Launch:
-    __slots__ = ("params", "sg", "qf", "lut", "two", "template", "grid", "shapes")
+    __slots__ = ("params", "sg", "qf", "lut", "two", "template", "grid", "shapes", "run")
 
 
 _launches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key codec -> {config: _Launch}
@@ -142,6 +142,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
                   ("T_PROBE", PROBE)]
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
+    p.run = None  # the prepared launch, made at the first call (when the inputs' dtypes are known)
     if len(per) > 64:
         per.clear()
     per[key] = p
@@ -155,8 +156,9 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: fl
     ks, k1, k2 = view.key_buffers
     vs, v1, v2 = view.value_buffers
     p = _plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, n_queries, causal, scale)
-    out = _kernel()(
-        inputs=[q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut,
-                count_array(view.n_coded), p.params],
-        template=p.template, grid=p.grid, threadgroup=_THREADGROUP, output_shapes=p.shapes, output_dtypes=_F32_2)
+    inputs = [q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut,
+              shared_count(view.n_coded), p.params]
+    if p.run is None:
+        p.run = prepared(_kernel(), p.template, inputs, _F32_2)
+    out = p.run(inputs, p.shapes, p.grid, _THREADGROUP)
     return out[0], out[1]

@@ -34,6 +34,20 @@ def count_array(n: int) -> mx.array:
     return _counts[0][n:n + 1] if n < (1 << 21) else mx.array([n], dtype=mx.uint32)
 
 
+_shared: dict = {}  # n -> [n]
+
+
+def shared_count(n: int) -> mx.array:
+    """``[n]`` as a uint32 array, one per value for every layer and launch (a decode step's layers all hold the
+    same count, and a step's unpack count is the next step's copy count): no slice built per launch."""
+    a = _shared.get(n)
+    if a is None:
+        if len(_shared) > 256:
+            _shared.clear()
+        a = _shared[n] = count_array(n)
+    return a
+
+
 _params: dict = {}
 
 
@@ -54,3 +68,10 @@ def split_plan(n: int, bh: int, target: int | None = None) -> tuple[int, int]:
     want = max(1, (TARGET_GROUPS if target is None else target) // max(1, bh))
     chunk = max(THREADS, -(-(-(-n // want)) // THREADS) * THREADS)
     return chunk, max(1, -(-n // chunk))
+
+
+def prepared(kernel, template: list, inputs: list, out_dtypes: list):
+    """``kernel`` with its template and dtypes fixed (:meth:`rvqstore.kernel_cache.CudaKernel.prepare`: after its
+    first launch a call goes straight to the precompiled binary), or None for MLX's own callables (Metal)."""
+    prepare = getattr(kernel, "prepare", None)
+    return None if prepare is None else prepare(template, tuple(a.dtype for a in inputs), out_dtypes)
