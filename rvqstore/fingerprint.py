@@ -13,7 +13,10 @@ from mlx.utils import tree_flatten
 
 from .tokenizer import vocab_hash
 
-__all__ = ["model_fingerprint"]
+__all__ = ["model_fingerprint", "WEIGHTS_HASH_VERSION"]
+
+#: the prefix of ``weights_sha256``'s input: names the definition of the hash (kept hashes are keyed by it)
+WEIGHTS_HASH_VERSION = b"rvqstore-weights-v2"
 
 
 def _float32_weights(model: nn.Module) -> Iterable[tuple[str, mx.array]]:
@@ -40,14 +43,15 @@ def _float32_weights(model: nn.Module) -> Iterable[tuple[str, mx.array]]:
 def _weights_sha256(model: nn.Module) -> str:
     # Every weight in name order: name, shape, then its float32 bytes (quantized layers
     # dequantized first). Cheap enough to hash in full, no sampling: ~0.3 s for SmolLM2-135M.
-    h = hashlib.sha256(b"rvqstore-weights-v2")
+    h = hashlib.sha256(WEIGHTS_HASH_VERSION)
     for name, a in _float32_weights(model):
         h.update(f"{name}|{tuple(a.shape)}\n".encode())
         h.update(np.ascontiguousarray(np.asarray(a)).data)
     return h.hexdigest()
 
 
-def model_fingerprint(model: nn.Module, tokenizer: Any, source: str | Path | None = None) -> dict[str, str | int]:
+def model_fingerprint(model: nn.Module, tokenizer: Any, source: str | Path | None = None, *,
+                      weights_sha256: str | None = None) -> dict[str, str | int]:
     """Identity of a (model, tokenizer) pair, to store in a cache header and check on reload.
 
     Keys: ``model_type``, ``num_layers``, ``num_kv_heads``, ``head_dim``, ``hidden_size``,
@@ -56,7 +60,8 @@ def model_fingerprint(model: nn.Module, tokenizer: Any, source: str | Path | Non
     loaded dense on a CPU or quantized on a GPU hashes the same), ``vocab_sha256``
     (:func:`vocab_hash`; omitted when ``tokenizer`` is None) and, when given, ``source`` (a free-form
     label such as the path; leave it out of equality checks if files may move). Deterministic across
-    processes; plain str/int values only, so it packs into msgpack as is.
+    processes; plain str/int values only, so it packs into msgpack as is. ``weights_sha256``: that hash,
+    known already for these weights (:mod:`rvqstore.weights_cache`), instead of computing it.
     """
     args = getattr(model, "args", None)
     text = getattr(args, "text_config", None)  # multimodal wrappers (qwen3_5, gemma3) keep them there
@@ -75,7 +80,7 @@ def model_fingerprint(model: nn.Module, tokenizer: Any, source: str | Path | Non
         "head_dim": int(arg("head_dim") or hidden // heads),
         "hidden_size": hidden,
         "vocab_size": int(arg("vocab_size", 0)),
-        "weights_sha256": _weights_sha256(model),
+        "weights_sha256": weights_sha256 or _weights_sha256(model),
     }
     if tokenizer is not None:
         fp["vocab_sha256"] = vocab_hash(tokenizer)

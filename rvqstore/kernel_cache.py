@@ -39,13 +39,14 @@ import logging
 import os
 import re
 import sys
-import tempfile
 import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+
+from . import user_cache
 
 log = logging.getLogger("rvqstore.kernels")
 
@@ -124,26 +125,8 @@ def translation_unit(func_name: str, header: str, body: str, inputs: list[tuple[
 # ---- where things live ---------------------------------------------------------------------------------
 def cache_dir() -> Path | None:
     """The directory of this MLX version's cached kernels and verdicts, or None (cache turned off)."""
-    env = os.environ.get(ENV)
-    if env is not None and env.strip().lower() in ("0", "off", "none", "false", ""):
-        return None
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "rvqstore" / "kernels"
-    return root / mx.__version__
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    root = user_cache.directory(ENV, "kernels")
+    return None if root is None else root / mx.__version__
 
 
 def _pack(key: str, name: str, binary: bytes) -> bytes:
@@ -190,7 +173,7 @@ def write_binary(key: str, name: str, binary: bytes) -> None:
     if d is None:
         return
     try:
-        _atomic_write(d / f"{key}.bin", _pack(key, name, binary))
+        user_cache.atomic_write(d / f"{key}.bin", _pack(key, name, binary))
     except OSError as err:  # a read-only or full disk: the kernel still runs, it is only not kept
         log.info("kernel cache: could not write %s: %s", d, err)
 
@@ -579,14 +562,8 @@ def _read_verdict(key: str | None) -> bool | str | None:
     d = cache_dir()
     if key is None or d is None:
         return None
-    try:
-        path = d / f"{key}.verdict"
-        if path.stat().st_size > 4096:
-            return None
-        v = json.loads(path.read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(v, dict) or v.get("key") != key or not isinstance(v.get("ok"), bool):
+    v = user_cache.read_record(d / f"{key}.verdict", key)
+    if v is None or not isinstance(v.get("ok"), bool):
         return None
     return True if v["ok"] else str(v.get("why", "failed"))[:500]
 
@@ -597,6 +574,6 @@ def record_verdict(key: str | None, ok: bool, why: str = "") -> None:
     if key is None or d is None or isinstance(_read_verdict(key), str):
         return
     try:
-        _atomic_write(d / f"{key}.verdict", json.dumps({"key": key, "ok": bool(ok), "why": why[:500]}).encode())
+        user_cache.write_record(d / f"{key}.verdict", key, {"ok": bool(ok), "why": why[:500]})
     except OSError as err:
         log.info("kernel cache: could not write a verdict in %s: %s", d, err)

@@ -12,10 +12,11 @@ Three parts, all run on every load/resume given a model (and on save, against th
   shapes are known without computing anything, for any architecture (GQA; MLA, whose cache holds one
   latent head whatever ``num_key_value_heads`` says; per-layer windows).
 - **A memo that sees in-place edits.** Hashing every weight for ``weights_sha256`` costs ~1 s for
-  SmolLM2-135M on this 2-core CPU; the memo is reused only while an xxh3-128 digest of the raw
-  parameter bytes (names, shapes, dtypes, data) is unchanged, ~7x cheaper than the fingerprint
-  (tools/results/model-check-cpu.txt: 0.16 s vs 1.15 s median for 538 MB of weights; xxh3 runs at
-  memory speed, and threads do not help: the binding holds the GIL), so ``w[0, 0] += 1`` is noticed.
+  SmolLM2-135M on this 2-core CPU (18.5 s for a 1.2B float16 model); the memo is reused only while a
+  digest of the raw parameters (names, shapes, dtypes, bits: :mod:`rvqstore.parameter_digest`, on the
+  host on a CPU, on the device on a GPU) is unchanged, so ``w[0, 0] += 1`` is noticed. A process
+  without a memo takes the hash from :mod:`rvqstore.weights_cache` when these raw parameters were
+  hashed on this machine before (tools/results/model-check-cpu.txt).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import weakref
 from typing import Any, Sequence
 
 import mlx.core as mx
-import numpy as np
-import xxhash
 from mlx.utils import tree_flatten
 
+from . import weights_cache
 from .errors import ModelMismatchError
 from .fingerprint import model_fingerprint
+from .parameter_digest import parameters_digest
 
 #: Keys a stored fingerprint must have for the snapshot to be accepted with ``model=``.
 IDENTITY_KEYS = ("model_type", "num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size",
@@ -43,26 +44,21 @@ _ATTENTION_KINDS = ("rvq", "dense", "rvq-rotating")
 _FP_MEMO: dict[int, tuple] = {}
 
 
-def parameters_digest(model: Any) -> str:
-    """xxh3-128 over every parameter's name, shape, dtype and raw bytes (no conversion, no copy)."""
-    h = xxhash.xxh3_128()
-    for name, a in tree_flatten(model.parameters()):
-        h.update(f"{name}|{tuple(a.shape)}|{a.dtype}\n".encode())
-        # a parameter may be a strided view (jamba's conv weights): bytes in C order, copied only then
-        h.update(memoryview(np.ascontiguousarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)).cast("B"))
-    return h.hexdigest()
-
-
 def fingerprint(model: Any, tokenizer: Any) -> dict:
     """:func:`rvqstore.fingerprint.model_fingerprint` of ``model`` (with its ``rvqstore_source`` label),
-    memoized while the parameters' raw bytes and the tokenizer object stay the same."""
+    memoized while the parameters' raw bytes and the tokenizer object stay the same; a process that has
+    no memo yet takes ``weights_sha256`` from :mod:`rvqstore.weights_cache` where these raw parameters
+    were hashed before."""
     digest = parameters_digest(model)
     hit = _FP_MEMO.get(id(model))
     if hit is not None:
         model_ref, memo_digest, tok_ref, fp = hit
         if model_ref() is model and memo_digest == digest and (tok_ref() if tok_ref else None) is tokenizer:
             return dict(fp)
-    fp = model_fingerprint(model, tokenizer, source=getattr(model, "rvqstore_source", None))
+    known = weights_cache.lookup(digest)
+    fp = model_fingerprint(model, tokenizer, source=getattr(model, "rvqstore_source", None), weights_sha256=known)
+    if known is None:
+        weights_cache.keep(digest, fp["weights_sha256"])
     try:
         key = id(model)
         model_ref = weakref.ref(model, lambda _, key=key: _FP_MEMO.pop(key, None))

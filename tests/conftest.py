@@ -10,13 +10,15 @@ import tempfile
 import mlx.core as mx
 import pytest
 
-# rvqstore.kernel_cache: the suite keeps compiled kernels and first-use verdicts in a directory of its own,
-# never the user's ~/.cache, so every run checks its kernels as a fresh machine does (subprocesses and the
-# OpenBLAS re-execution below inherit it)
-_KERNEL_CACHE = os.environ.get("RVQSTORE_KERNEL_CACHE", "")
-if not os.path.basename(_KERNEL_CACHE).startswith("rvqstore-test-kernels-"):
-    os.environ["RVQSTORE_KERNEL_CACHE"] = _KERNEL_CACHE = tempfile.mkdtemp(prefix="rvqstore-test-kernels-")
-atexit.register(shutil.rmtree, _KERNEL_CACHE, True)
+# rvqstore's per-machine caches (rvqstore.kernel_cache: compiled kernels and first-use verdicts;
+# rvqstore.weights_cache: weight hashes): the suite keeps them in directories of its own, never the user's
+# ~/.cache, so every run starts as a fresh machine does (subprocesses and the OpenBLAS re-execution below
+# inherit them)
+for _env, _prefix in (("RVQSTORE_KERNEL_CACHE", "rvqstore-test-kernels-"),
+                      ("RVQSTORE_WEIGHTS_CACHE", "rvqstore-test-weights-")):
+    if not os.path.basename(os.environ.get(_env, "")).startswith(_prefix):
+        os.environ[_env] = tempfile.mkdtemp(prefix=_prefix)
+    atexit.register(shutil.rmtree, os.environ[_env], True)
 
 
 def gpu_backend_available() -> bool:
