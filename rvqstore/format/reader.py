@@ -11,7 +11,8 @@ checked against the declared size, then decompressed into exactly ``raw_length``
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from .limits import decoded_nbytes, resolve_decoded_limit
 from .quantizer import check_quantizer
 from .preamble import Preamble, check_header_checksum, parse_preamble
 from .source import BytesSource, FileSource, RangeSource, source_name
+
+#: threads of :meth:`RVQFile.read_sections` (sources that allow concurrent reads only)
+READ_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 def default_quantizer_check(quantizer: dict, layers, sections, path) -> None:
@@ -217,21 +221,43 @@ class RVQFile:
 
     def read_section_mx(self, name: str):
         """The section as an ``mx.array`` (bfloat16 sections as ``mx.bfloat16``).  Copies into MLX memory."""
+        return self._as_dtype(name, self._read_section_copy(name))
+
+    def _read_section_copy(self, name: str):
+        """The section copied into MLX memory, bfloat16 still as its uint16 bit patterns."""
         import mlx.core as mx
 
-        s = self.section(name)
-        arr = self.read_section(name)
-        out = mx.array(arr)
-        if s.dtype == "bfloat16":
-            out = out.view(mx.bfloat16)
-        return out
+        return mx.array(self.read_section(name))
+
+    def _as_dtype(self, name: str, out):
+        import mlx.core as mx
+
+        return out.view(mx.bfloat16) if self.section(name).dtype == "bfloat16" else out
+
+    def read_sections(self, names: Sequence[str], *, as_mx: bool = False) -> list:
+        """Several sections, each as :meth:`read_section` (or :meth:`read_section_mx`) returns it, read side
+        by side on up to :data:`READ_THREADS` threads where the source allows concurrent reads (files and
+        byte strings: their zstd and rANS sections go to the pool, raw ones are read in this thread). Raises
+        what reading them in turn would: the error of the first failing name."""
+        read: Callable[[str], Any] = self._read_section_copy if as_mx else self.read_section
+        # only decompression lets other threads run for long (the checksum binding holds the GIL, and
+        # threads copying raw sections out of the mapping measured slower than one): compressed sections
+        # go to the pool, raw ones are read here meanwhile
+        packed = [n for n in names if self.section(n).codec != C.CODEC_RAW]
+        workers = min(len(packed), READ_THREADS) if getattr(self._source, "concurrent_reads", False) else 0
+        if workers <= 1:
+            out = [read(name) for name in names]
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="rvq-read") as pool:
+                out = _in_order(names, {name: pool.submit(read, name) for name in packed}, read)
+        # views are graph operations: built here, in the caller's thread, not on the pool's
+        return [self._as_dtype(name, a) for name, a in zip(names, out)] if as_mx else out
 
     def layer_arrays(self, index: "int | LayerInfo", *, as_mx: bool = False) -> dict[str, Any]:
         """All known-kind sections of a layer (or of a list child, given as its LayerInfo), decoded and
         verified: ``{kind: array}`` (a list child's kinds without their ``c<j>.`` prefix)."""
         layer = self.layer(index) if isinstance(index, int) else index
-        read: Callable[[str], Any] = self.read_section_mx if as_mx else self.read_section
-        return {kind: read(name) for kind, name in layer.sections.items()}
+        return dict(zip(layer.sections, self.read_sections(list(layer.sections.values()), as_mx=as_mx)))
 
     def tokens(self) -> np.ndarray | None:
         """The int32 token ids of the cached prefix, or None if the file stores none."""
@@ -321,6 +347,31 @@ class RVQFile:
     def __repr__(self) -> str:
         return (f"RVQFile({self.path!r}, v{self.header.major}.{self.header.minor}, {len(self.layers)} layers, "
                 f"{self.n_tokens} tokens, {len(self.sections)} sections, {self.file_length} bytes)")
+
+
+def _in_order(names: Sequence[str], pending: dict, read: Callable[[str], Any]) -> list:
+    """Each name's result, the ``pending`` ones from their futures, the rest read here meanwhile; raises
+    the error of the first failing name, as reading them in turn would (later futures are cancelled)."""
+    done: dict[str, Any] = {}
+    failed = None
+    for i, name in enumerate(names):
+        if name not in pending:
+            try:
+                done[name] = read(name)
+            except BaseException as err:  # noqa: BLE001 - re-raised below, after the earlier names
+                done[name], failed = err, i
+                break
+    if failed is not None:
+        for name in names[failed + 1:]:
+            if name in pending:
+                pending[name].cancel()
+    out = []
+    for name in names[: None if failed is None else failed + 1]:
+        value = done[name] if name in done else pending[name].result()
+        if isinstance(value, BaseException) and name in done:
+            raise value
+        out.append(value)
+    return out
 
 
 def _zstd_decode(stored: memoryview, s: SectionInfo, path: str) -> bytes:

@@ -9,7 +9,9 @@ so an S3 object, an HTTP range reader or a cache entry can be opened with :func:
 file on disk.  Two implementations live here: :class:`FileSource` (a regular file, opened without
 ever blocking: a FIFO or device path is refused) and :class:`BytesSource` (a bytes-like object).
 Sources MAY also offer ``view(offset, length) -> memoryview`` (zero-copy) and ``current_size()``
-(the size now, to notice a file that changed after it was opened); the reader uses them when there.
+(the size now, to notice a file that changed after it was opened), and set ``concurrent_reads = True``
+when ``read``/``view`` may be called from several threads at once (the reader then reads sections side
+by side); the reader uses them when there.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class RangeSource(Protocol):
 
 class FileSource:
     """A regular file, read with ``pread`` and viewed through a read-only mmap (zero-copy sections)."""
+
+    concurrent_reads = True  # pread takes its offset; the mapping is made under a lock
 
     def __init__(self, path: "str | os.PathLike[str]"):
         self.path = os.fspath(path)
@@ -90,6 +94,8 @@ class FileSource:
 
 class BytesSource:
     """An in-memory file (``bytes``, ``bytearray``, ``memoryview``, mmap): views, no copies."""
+
+    concurrent_reads = True
 
     def __init__(self, data, name: str = "<bytes>"):
         self._mv = memoryview(data).cast("B")

@@ -87,7 +87,8 @@ def _key(layer) -> tuple:
 
 
 def read_arrays(f) -> dict:
-    """Every layer's (and list child's) sections, checked and copied into MLX, then evaluated at once:
+    """Every layer's (and list child's) sections, checked and copied into MLX (side by side on a few
+    threads: :meth:`RVQFile.read_sections`), then evaluated at once:
     the per-layer checks that follow (scales) then find their inputs ready instead of each waiting
     for its layer's copies (measured: 32 -> 11 ms of scale checks for a 4k-token SmolLM2 file)."""
     leaves = []
@@ -101,7 +102,9 @@ def read_arrays(f) -> dict:
 
     for layer in f.layers:
         visit(layer)
-    out = {_key(layer): f.layer_arrays(layer, as_mx=True) for layer in leaves}
+    names = [name for layer in leaves for name in layer.sections.values()]
+    arrays = iter(f.read_sections(names, as_mx=True))  # side by side where the source allows
+    out = {_key(layer): {kind: next(arrays) for kind in layer.sections} for layer in leaves}
     mx.eval([list(a.values()) for a in out.values()])
     return out
 
