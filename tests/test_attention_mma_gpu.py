@@ -1,6 +1,6 @@
 """The split kernel on tensor cores (kernels/rvq_attend_mma.inc, rvqstore.attention.kernel_mma), CUDA only.
 
-On every backend: which calls it takes. On the GPU (tests marked ``gpu``): its partials against the
+On every backend: which calls it takes (with it switched on: ``RVQSTORE_TENSOR_CORES=1``; off by default). On the GPU (tests marked ``gpu``): its partials against the
 kernel's model (``partials_reference`` in float32), and whole calls against decode-then-SDPA on fp16.
 
 Tolerances, and why: the kernel's mma operands are fp16 (the rotated queries, the table values and each
@@ -24,6 +24,12 @@ from rvqstore import RVQKVCache, fused
 from rvqstore.attention import kernel, kernel_mma, ops
 
 REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
+
+
+@pytest.fixture(autouse=True)
+def tensor_cores_on(monkeypatch):
+    """This kernel's tests run it whatever the default (off until its GPU parity is recorded)."""
+    monkeypatch.setattr(kernel_mma, "TENSOR_CORES", True)
 
 
 def _cache(bits, hkv, n, d, *, b=1, window=0, dtype=mx.float16, seed=0, residual="conditional"):
