@@ -12,7 +12,7 @@ Three parts, all run on every load/resume given a model (and on save, against th
   shapes are known without computing anything, for any architecture (GQA; MLA, whose cache holds one
   latent head whatever ``num_key_value_heads`` says; per-layer windows).
 - **A memo that sees in-place edits.** Hashing every weight for ``weights_sha256`` costs ~1 s for
-  SmolLM2-135M on this 2-core CPU (18.5 s for a 1.2B float16 model); the memo is reused only while a
+  SmolLM2-135M on this 2-core CPU (21.1 s for a 1.5B float16 model); the memo is reused only while a
   digest of the raw parameters (names, shapes, dtypes, bits: :mod:`rvqstore.parameter_digest`, on the
   host on a CPU, on the device on a GPU) is unchanged, so ``w[0, 0] += 1`` is noticed. A process
   without a memo takes the hash from :mod:`rvqstore.weights_cache` when these raw parameters were

@@ -3,7 +3,7 @@ weight again.
 
 The fingerprint's ``weights_sha256`` (:mod:`rvqstore.fingerprint`) is SHA-256 over every weight as
 float32 values: a pass over four bytes per parameter, once per process, on every save, load or resume
-with ``model=`` (18.5 s for a 1.2B float16 model on this project's 2-core CPU;
+with ``model=`` (21.1 s for a 1.5B float16 model on this project's 2-core CPU;
 ``tools/results/model-check-cpu.txt``). Here each computed hash is kept under the digest of the raw
 parameters it was computed from (:mod:`rvqstore.parameter_digest`, which a check computes anyway),
 with MLX's version (dequantization, hence the float32 values, is MLX's) and the hash's own version. A

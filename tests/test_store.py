@@ -37,11 +37,12 @@ def files(d):
     return sorted(str(p.relative_to(d)) for p in Path(d).rglob("*") if p.is_file())
 
 
-def same(c1, c2, n):
-    """Decoded keys/values of two caches agree bit for bit on the first n tokens."""
+def same(c1, c2, n, start=0):
+    """Decoded keys/values of two caches agree bit for bit on tokens [start, n)."""
     for x, y in zip(c1, c2):
         (k1, v1), (k2, v2) = x.keys_and_values(), y.keys_and_values()
-        if not (mx.array_equal(k1[:, :, :n], k2[:, :, :n]) and mx.array_equal(v1[:, :, :n], v2[:, :, :n])):
+        if not (mx.array_equal(k1[:, :, start:n], k2[:, :, start:n])
+                and mx.array_equal(v1[:, :, start:n], v2[:, :, start:n])):
             return False
     return True
 
@@ -59,7 +60,10 @@ def test_put_then_lookup_is_bit_exact_and_prefixes_share_blocks(model, prompts, 
     rb = s.put(b, cb)
     assert rb.stored_before == 200 and rb.new_tokens == 45
     n, caches = s.longest_prefix(b)
-    assert n == 245 and same(caches, rvqstore.convert_prompt_cache(cb), 245)
+    # the shared 200 tokens are a's codes (b's prefill may differ in the last bits: a BLAS's sums can
+    # depend on how many rows a matmul has), the rest b's
+    assert n == 245 and same(caches, rvqstore.convert_prompt_cache(ca), 200)
+    assert same(caches, rvqstore.convert_prompt_cache(cb), 245, start=200)
     assert s.longest_prefix(a)[0] == 270  # a is intact
     blocks = [f for f in files(tmp_path) if f.endswith(".rvq")]
     assert len(blocks) == 9 + 1 + 2  # a's blocks, the split's 8 tokens, b's 32 + 5

@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 
 from rvqstore.blas import maybe_reexec_with_openblas  # noqa: E402
 
@@ -42,6 +43,7 @@ maybe_reexec_with_openblas()
 import mlx.core as mx  # noqa: E402
 
 import rvqstore  # noqa: E402
+from bench_resume import evict  # noqa: E402
 from rvqstore.format import reader  # noqa: E402
 
 BLOCK = 4096
@@ -81,15 +83,6 @@ def make_files(a, n: int, d: str) -> dict[str, str]:
         del caches
         gc.collect()
     return files
-
-
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def load_once(path: str, threads: int) -> float:
