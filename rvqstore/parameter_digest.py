@@ -20,6 +20,7 @@ It covers every parameter's name, shape, dtype and raw bits (no conversion), so 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
@@ -30,15 +31,24 @@ from mlx.utils import tree_flatten
 #: words per lane-sum call: bounds the temporaries MLX allocates (two lanes of uint32 per word)
 _BLOCK_WORDS = 1 << 24
 _LANE_SEEDS = (0x243F6A88, 0x85A308D3)  # the first digits of pi: arbitrary, fixed
+_failed: dict[str, str] = {}  # "lanes" -> why the device digest could not run here (then: the host's)
+log = logging.getLogger("rvqstore.parameter_digest")
 
 
 def parameters_digest(model: Any, *, on_device: bool | None = None) -> str:
-    """The digest of ``model.parameters()``; ``on_device`` None: lane sums on a GPU default device, XXH3
-    on the host otherwise (True/False force one kind, e.g. to test the GPU's on a CPU)."""
+    """The digest of ``model.parameters()``; ``on_device`` None: lane sums on a GPU default device (the
+    host's XXH3 if they fail there, logged once), XXH3 on the host otherwise; True/False force one kind
+    (e.g. to test the GPU's on a CPU)."""
     params = tree_flatten(model.parameters())
-    if on_device is None:
-        on_device = mx.default_device() == mx.gpu
-    return _lanes_digest(params) if on_device else _host_digest(params)
+    if on_device is not None:
+        return _lanes_digest(params) if on_device else _host_digest(params)
+    if mx.default_device() == mx.gpu and "lanes" not in _failed:
+        try:
+            return _lanes_digest(params)
+        except Exception as err:  # noqa: BLE001 - a backend without some op: the host digest is as valid
+            _failed["lanes"] = f"{type(err).__name__}: {err}"
+            log.warning("parameter digest on the device failed (%s); digesting on the host", _failed["lanes"])
+    return _host_digest(params)
 
 
 def _header(name: str, a: mx.array) -> bytes:

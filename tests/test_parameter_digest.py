@@ -112,3 +112,21 @@ def test_kinds_are_named_and_never_equal():
     assert host.startswith("xxh3-128:") and lanes.startswith("lanes-v1:") and host != lanes
     want = lanes if mx.default_device() == mx.gpu else host
     assert pd.parameters_digest(m) == want
+
+
+def test_a_device_digest_that_fails_falls_back_to_the_host_once(monkeypatch, caplog):
+    m = _model()
+    monkeypatch.setattr(pd.mx, "default_device", lambda: pd.mx.gpu)
+    monkeypatch.setattr(pd, "_failed", {})
+    calls = []
+
+    def broken(params):
+        calls.append(1)
+        raise RuntimeError("no such op here")
+
+    monkeypatch.setattr(pd, "_lanes_digest", broken)
+    want = pd.parameters_digest(m, on_device=False)
+    assert pd.parameters_digest(m) == want and pd.parameters_digest(m) == want
+    assert len(calls) == 1 and "no such op here" in pd._failed["lanes"]  # tried once, then the host's
+    with pytest.raises(RuntimeError):
+        pd.parameters_digest(m, on_device=True)  # forced: the error itself
