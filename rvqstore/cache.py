@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import attention, cache_modes, cache_state, cache_steps
-from .codec import _FLOAT_DTYPES, DEFAULT_BITS, DTYPE_BY_NAME, EncodedVectors, RVQCodec, _parse_bits
+from .codec import _FLOAT_DTYPES, DEFAULT_BITS, DTYPE_BY_NAME, EncodedVectors, RVQCodec, _parse_bits, checked_step
 from .errors import CodecConfigError, InputShapeError, InvalidArgumentError
 
 MODES = cache_modes.MODES  # importable from here as before
@@ -281,11 +281,12 @@ class RVQKVCache:
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise CodecConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
         value_step = step if value_step is None else value_step
-        key_check = RVQCodec(64, bits, seed, residual, step=step)  # validate the codec settings now, not at first use
-        value_check = RVQCodec(64, bits if value_bits is None else value_bits, seed, residual, step=value_step)
+        # the codec settings are checked now, not at first use
+        key_step = checked_step(bits, seed, residual, step)
+        value_step = checked_step(bits if value_bits is None else value_bits, seed, residual, value_step)
         self.codec_bits = _parse_bits(bits)
         self.value_bits = self.codec_bits if value_bits is None else _parse_bits(value_bits)
-        self.step, self.value_step = key_check.step, value_check.step
+        self.step, self.value_step = key_step, value_step
         self.seed = seed
         self.residual = residual
         self._mode = mode_impl

@@ -24,7 +24,7 @@ import mlx.core as mx
 from . import cache_modes
 from .cache import _Stream, check_update, trim_count
 from .cache_modes import cut as _cut
-from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits
+from .codec import DEFAULT_BITS, EncodedVectors, RVQCodec, _parse_bits, checked_step
 from .errors import CodecConfigError, InputShapeError
 
 
@@ -56,7 +56,7 @@ class RVQRotatingKVCache:
         if value_step is not None and value_step != step:
             raise CodecConfigError(f"a sliding-window cache codes keys and values with one codec: value_step "
                                    f"{value_step!r} differs from step {step!r}")
-        self.step = RVQCodec(64, bits, seed, residual, step=step).step  # validate the codec settings now
+        self.step = checked_step(bits, seed, residual, step)  # validate the codec settings now
         self.max_size = max_size
         self.keep = keep
         self.codec_bits = _parse_bits(bits)

@@ -253,3 +253,17 @@ def test_byte_table_decode_is_bit_identical_to_reference(bits, residual, dim):
     s1 = codec.dequantize(enc.codes1, None)
     np.testing.assert_array_equal(
         np.array(s1), np.array(mx.take(codec._c1_mx, unpack_codes(enc.codes1, bits[0], dim).astype(mx.uint32))))
+
+
+def test_checked_step_refuses_what_the_codec_refuses_every_time():
+    from rvqstore.codec import checked_step
+    from rvqstore.errors import CodecConfigError
+
+    assert checked_step((2, 2), 0, "conditional", None) is None
+    assert checked_step((2, 2), 0, "conditional", 0.25) == RVQCodec(64, (2, 2), step=0.25).step
+    for bad in [((2, True), 0, "conditional", None), ((5, 2), 0, "conditional", None),
+                ((2, 2), 0, "nope", None), ((2, 2), 0, "conditional", -1.0)]:
+        for _ in range(2):  # a refusal is never remembered as a pass
+            with pytest.raises(CodecConfigError):
+                checked_step(*bad)
+    assert checked_step((2, 1), 0, "conditional", None) is None  # (2, True) was not taken for it
