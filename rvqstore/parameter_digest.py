@@ -97,8 +97,7 @@ def _lanes_digest(params: list) -> str:
         # count is below 2^32 for any parameter under 16 GiB; larger ones wrap, still deterministic)
         parts = [_lane_sums(w[s: s + _BLOCK_WORDS], mx.array(s % (1 << 32), mx.uint32))
                  for s in range(0, w.size, _BLOCK_WORDS)]
-        sums.append(mx.sum(mx.stack(parts), axis=0) if len(parts) > 1 else
-                    parts[0] if parts else mx.zeros((2,), mx.uint32))
+        sums.append(mx.sum(mx.stack(parts), axis=0) if parts else mx.zeros((2,), mx.uint32))
         if len(sums) % 64 == 0:
             mx.eval(sums[-64:])  # keeps the graph (and the temporaries in flight) small
     host = np.array(mx.stack(sums)) if sums else np.zeros((0, 2), np.uint32)
