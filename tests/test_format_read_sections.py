@@ -20,6 +20,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_format_roundtrip import make_cache  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def pool_for_small_files(monkeypatch):
+    """These files are small: the pool is switched on for them (test_small_files_are_read_in_turn says
+    what happens by default)."""
+    monkeypatch.setattr(R, "PARALLEL_MIN_BYTES", 0)
+
+
 @pytest.fixture
 def mixed(tmp_path):
     """A file of zstd sections (tokens, scales, codes that compress) beside raw ones (random words)."""
@@ -112,3 +119,23 @@ def test_files_and_bytes_take_concurrent_reads(mixed, monkeypatch):
         with F.open_rvq(src) as f:
             f.read_sections([s.name for s in h.sections])
         assert len(seen) > 1  # the pool took the zstd sections
+
+
+def test_small_files_are_read_in_turn(mixed, monkeypatch):
+    path, h = mixed
+    monkeypatch.setattr(R, "READ_THREADS", 4)
+    packed = sum(s.raw_length for s in h.sections if s.codec != "raw")
+    seen = set()
+    real = R.RVQFile.read_section
+
+    def spy(self, name):
+        seen.add(threading.get_ident())
+        return real(self, name)
+
+    monkeypatch.setattr(R.RVQFile, "read_section", spy)
+    for limit, threads in ((packed + 1, 1), (packed, None)):
+        monkeypatch.setattr(R, "PARALLEL_MIN_BYTES", limit)
+        seen.clear()
+        with F.open_rvq(path) as f:
+            f.read_sections([s.name for s in h.sections])
+        assert (len(seen) == 1) if threads == 1 else (len(seen) > 1)

@@ -37,6 +37,9 @@ from .source import BytesSource, FileSource, RangeSource, source_name
 
 #: threads of :meth:`RVQFile.read_sections` (sources that allow concurrent reads only)
 READ_THREADS = max(1, min(8, os.cpu_count() or 1))
+#: decoded bytes of compressed sections below which :meth:`RVQFile.read_sections` reads in turn: a pool
+#: costs threads and a decompression context each (MBs of allocations) for a small file, and saves nothing
+PARALLEL_MIN_BYTES = 8 << 20
 
 
 def default_quantizer_check(quantizer: dict, layers, sections, path) -> None:
@@ -237,14 +240,16 @@ class RVQFile:
     def read_sections(self, names: Sequence[str], *, as_mx: bool = False) -> list:
         """Several sections, each as :meth:`read_section` (or :meth:`read_section_mx`) returns it, read side
         by side on up to :data:`READ_THREADS` threads where the source allows concurrent reads (files and
-        byte strings: their zstd and rANS sections go to the pool, raw ones are read in this thread). Raises
+        byte strings: their zstd and rANS sections go to the pool, raw ones are read in this thread) and
+        the compressed ones decode to at least :data:`PARALLEL_MIN_BYTES`. Raises
         what reading them in turn would: the error of the first failing name."""
         read: Callable[[str], Any] = self._read_section_copy if as_mx else self.read_section
         # only decompression lets other threads run for long (the checksum binding holds the GIL, and
         # threads copying raw sections out of the mapping measured slower than one): compressed sections
         # go to the pool, raw ones are read here meanwhile
         packed = [n for n in names if self.section(n).codec != C.CODEC_RAW]
-        workers = min(len(packed), READ_THREADS) if getattr(self._source, "concurrent_reads", False) else 0
+        big = sum(self.section(n).raw_length for n in packed) >= PARALLEL_MIN_BYTES
+        workers = min(len(packed), READ_THREADS) if big and getattr(self._source, "concurrent_reads", False) else 0
         if workers <= 1:
             out = [read(name) for name in names]
         else:
