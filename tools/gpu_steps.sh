@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Named measurement steps for one held GPU machine (../shared/gpu/README.md installs MLX there first).
+# Each step writes its log and results under $OUT and has its own time limit, so one device call runs
+# several of them and a step that fails or overruns still leaves the others' results.
+#   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
+#   steps: parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check suite
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder whose files come back}"
+py=${PYTHON:-python3}
+tmp=${GPU_TMP:-/root/rvqtmp}; mkdir -p "$tmp"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader \
+  > "$OUT/device.txt" 2>&1 || true
+gen=(tools/bench_generation.py --model random --arms kv,packed-2+2,packed-4+2,resident-2+2 --steps 4 --rounds 3)
+
+step() {  # step NAME LIMIT_S CMD...: the command's output in $OUT/NAME.log, its status and seconds in steps.txt
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc ${SECONDS}s-${t0}s=$((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+}
+
+for s in "$@"; do
+  case $s in
+    parity-mma) RVQ_ATTN_PARITY_REPORT=$OUT/parity-mma.txt step parity-mma 240 \
+        $py -m pytest -q -rfE -p no:cacheprovider tests/test_attention_mma_gpu.py ;;
+    parity-simt) RVQ_ATTN_PARITY_REPORT=$OUT/parity-simt.txt step parity-simt 240 \
+        $py -m pytest -q -rfE -p no:cacheprovider tests/test_attention_gpu.py ;;
+    attn) step attn 240 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
+        --rounds 7 --k 10 --variants simt,mma --json "$OUT/attention.json" ;;
+    gen-mma) step gen-mma 300 env RVQSTORE_TENSOR_CORES=1 $py "${gen[@]}" --contexts 1024,8192,32768 --kernel mma \
+        --resume --resume-rounds 2 --tmp "$tmp" --json "$OUT/gen-mma.json" --md "$OUT/gen-mma.md" ;;
+    gen-simt) step gen-simt 240 $py "${gen[@]}" --contexts 1024,8192,32768 --kernel simt \
+        --json "$OUT/gen-simt.json" --md "$OUT/gen-simt.md" ;;
+    gen-128k) step gen-128k 200 env RVQSTORE_TENSOR_CORES=1 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-4+2 --steps 4 --rounds 2 --contexts 131072 --kernel mma \
+        --json "$OUT/gen-128k.json" --md "$OUT/gen-128k.md" ;;
+    load) step load 200 $py tools/bench_load.py --contexts 32768 --rounds 3 --tmp "$tmp" \
+        --json "$OUT/load.json" --md "$OUT/load.md" ;;
+    model-check) step model-check 200 $py tools/bench_model_check.py --model random --layers 8 --rounds 5 --fresh-rounds 2 \
+        --out "$OUT/model-check.txt" ;;
+    suite) step suite 560 $py -m pytest -q -rfE -p no:cacheprovider -n 14 --durations=20 ;;
+    *) echo "unknown step $s" | tee -a "$OUT/steps.txt" ;;
+  esac
+done
+rm -rf "$tmp"
