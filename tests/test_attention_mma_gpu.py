@@ -1,6 +1,6 @@
 """The split kernel on tensor cores (kernels/rvq_attend_mma.inc, rvqstore.attention.kernel_mma), CUDA only.
 
-On every backend: which calls it takes (with it switched on: ``RVQSTORE_TENSOR_CORES=1``; off by default). On the GPU (tests marked ``gpu``): its partials against the
+On every backend: which calls it takes (on by default; ``RVQSTORE_TENSOR_CORES=0`` switches it off). On the GPU (tests marked ``gpu``): its partials against the
 kernel's model (``partials_reference`` in float32), and whole calls against decode-then-SDPA on fp16.
 
 Tolerances, and why: the kernel's mma operands are fp16 (the rotated queries, the table values and each
@@ -28,8 +28,19 @@ REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
 
 @pytest.fixture(autouse=True)
 def tensor_cores_on(monkeypatch):
-    """This kernel's tests run it whatever the default (off until its GPU parity is recorded)."""
+    """This kernel's tests run it whatever the environment says."""
     monkeypatch.setattr(kernel_mma, "TENSOR_CORES", True)
+
+
+@pytest.fixture
+def cpu_device():
+    """The float32 models in full float32: on the CPU whatever the default device."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(before)
 
 
 def _cache(bits, hkv, n, d, *, b=1, window=0, dtype=mx.float16, seed=0, residual="conditional"):
@@ -116,9 +127,11 @@ def test_the_kernel_table_decodes_like_the_codec(bits, residual):
 
 
 @pytest.mark.parametrize("n,L", [(1000, 1), (130, 3), (1, 1), (4097, 2)])
-def test_the_strided_split_model_merges_to_the_same_attention(n, L):
+def test_the_strided_split_model_merges_to_the_same_attention(n, L, cpu_device):
     """Dealing blocks of tokens to the splits in turn (the tensor-core kernel) changes which split sums which
-    token, not the merged result: both models through the same combine agree."""
+    token, not the merged result: both models through the same combine agree. On the CPU: MLX's CUDA backend runs
+    float32 matmuls at TF32 precision (~1e-3 relative on the H200, tools/results/suite-gpu.txt), over this
+    test's 1e-5 bound."""
     hkv, g, d = 2, 4, 64
     c, _, _ = _cache((2, 2), hkv, n, d, dtype=mx.float32)
     view = c.codes_view()
@@ -165,7 +178,7 @@ def test_gpu_tensor_core_kernel_parity(case, monkeypatch):
         q_rot = ops.rotate_queries(view, q.astype(mx.float32), scale).reshape(b, hkv, g * L, d)
         ro, rml = kernel.partials_reference(view, q_rot, L, L > 1, kernel_mma.TARGET_GROUPS,
                                              kernel_mma.BLOCK if kernel_mma.STRIDED else None)
-        s_max = float(mx.abs(q_rot).max()) * 4.0 * d * float(view.key_buffers[0].astype(mx.float32).max())
+        s_max = float(mx.abs(q_rot).max()) * 4.0 * d * float(view.key_buffers[0][..., : view.n_coded].astype(mx.float32).max())
         mx.eval(ro, rml)
     err_o = float(mx.abs(o - ro).max()) / (float(mx.abs(ro).max()) + 1e-30)
     m, rm = np.array(ml[..., 0]), np.array(rml[..., 0])

@@ -3,8 +3,7 @@ benchmarks: ``first`` = the first kernel's layout (one thread per token in the k
 code words read straight from memory); ``nopair`` = no pair tables; ``nostage`` = code words not staged in
 shared memory; ``v4``/``v8`` = 4/8 coordinates per thread in the value phase; ``klN`` = N lanes per token in
 the key phase; ``simt`` = the SIMT kernel where the tensor-core one would serve (kernel_mma.TENSOR_CORES off);
-``mma`` = the tensor-core kernel where it serves (kernel_mma.TENSOR_CORES on; off by default until its GPU
-parity is recorded); ``chunked`` = the tensor-core kernel with a contiguous chunk of tokens per split
+``mma`` = the tensor-core kernel where it serves (kernel_mma.TENSOR_CORES on, the default); ``chunked`` = the tensor-core kernel with a contiguous chunk of tokens per split
 (kernel_mma.STRIDED off; implies ``mma``);
 ``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
 ``simt`` for fp16 calls on CUDA."""

@@ -28,11 +28,10 @@ from .. import fused, kernel_cache
 from .launch_args import THREADS, decode_table, prepared, shared_count, split_plan, static_params
 from .view import CodesView
 
-#: route eligible CUDA calls here (False: the SIMT kernel serves them). Off unless RVQSTORE_TENSOR_CORES=1:
-#: this kernel's parity with decode-then-SDPA has not been recorded on a GPU yet (tests/test_attention_mma_gpu.py
-#: and tools/bench_attention.py are ready for it; docs/attention.md), and an unrecorded kernel does not serve
-#: users by default
-TENSOR_CORES = os.environ.get("RVQSTORE_TENSOR_CORES", "0").strip() == "1"
+#: route eligible CUDA calls here (False: the SIMT kernel serves them). On unless RVQSTORE_TENSOR_CORES=0: its
+#: parity with decode-then-SDPA is recorded on the H200 (tools/results/gpu-parity-attention-mma.txt), and it
+#: is the faster of the two from 32k tokens on (tools/results/attention-h200-mma.json)
+TENSOR_CORES = os.environ.get("RVQSTORE_TENSOR_CORES", "1").strip() != "0"
 #: timing probes only (tools/bench_attention.py --probes; wrong results): 1 = no global loads of the codes and
 #: norms, 2 = no table reads (2+2), 3 = neither; 0 in every real call
 PROBE = 0

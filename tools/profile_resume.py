@@ -1,0 +1,96 @@
+"""Where a resume's time goes: load the file, make the caches' arrays resident, first step, second step.
+
+On a random-weight model (tools/bench_generation.py's geometry flags), caches filled to ``--context`` and
+saved once; then ``--rounds`` rounds of: ``load_prompt_cache`` (timed), ``mx.eval`` of every array the
+caches hold (timed: what the load left unmaterialized or on the host), the first step (timed), a second
+step (timed). mlx-lm's KVCache file the same way, for the baseline. Medians; JSON to ``--json``.
+
+    python tools/profile_resume.py --model random --context 32768 --json tools/results/profile-resume.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+
+from bench_generation import add_geometry_args, build_model, fill, geometry, load, make_caches, save, step  # noqa: E402
+
+
+def _arrays(caches):
+    out = []
+    for c in caches:
+        st = c.state
+        for x in (st if isinstance(st, (list, tuple)) else [st]):
+            if isinstance(x, mx.array):
+                out.append(x)
+            elif isinstance(x, (list, tuple)):
+                out += [y for y in x if isinstance(y, mx.array)]
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("smollm2", "random"), default="random")
+    add_geometry_args(ap)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--arms", default="kv,packed-2+2,packed-4+2")
+    ap.add_argument("--compress", default="auto,none")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tmp", default=None)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    model, desc = build_model(a)
+    n_layers, kvh, hd = geometry(model)
+    dtype = getattr(mx, a.dtype)
+    files = {}
+    rows = {}
+    with tempfile.TemporaryDirectory(dir=a.tmp) as d:
+        for arm in a.arms.split(","):
+            cs = make_caches(arm, n_layers)
+            fill(cs, a.context, kvh, hd, dtype)
+            step(model, cs, 1)
+            for comp in (["auto"] if arm == "kv" else a.compress.split(",")):
+                path = os.path.join(d, f"{arm}-{comp}.{'safetensors' if arm == 'kv' else 'rvq'}")
+                files[f"{arm}/{comp}"] = (arm, path, save(arm, cs, path, comp))
+            del cs
+        times = {k: {"load": [], "resident": [], "step1": [], "step2": []} for k in files}
+        for r in range(a.rounds):
+            for key in (list(files) if r % 2 == 0 else list(files)[::-1]):
+                arm, path, _ = files[key]
+                mx.synchronize()
+                t0 = time.perf_counter()
+                cs = load(arm, path)
+                t1 = time.perf_counter()
+                mx.eval(_arrays(cs))
+                mx.synchronize()
+                t2 = time.perf_counter()
+                step(model, cs, 5 + r)
+                t3 = time.perf_counter()
+                step(model, cs, 6 + r)
+                t4 = time.perf_counter()
+                for k, v in zip(("load", "resident", "step1", "step2"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    times[key][k].append(v)
+                del cs
+        for key, t in times.items():
+            rows[key] = {k: round(statistics.median(v), 4) for k, v in t.items()}
+            rows[key]["file_bytes"] = files[key][2]
+            print(key, rows[key], flush=True)
+    out = {"model": desc, "context": a.context, "device": str(mx.default_device()), "rounds": a.rounds,
+           "seconds": rows}
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
