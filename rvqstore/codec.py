@@ -171,6 +171,11 @@ class RVQCodec:
                 self._fine_thresholds = np.array(fine, dtype=np.float32)
         if self.step is not None:  # a grid's sorted thresholds, searched as data (_search_grid)
             self._thresholds_mx = mx.array(self._fine_thresholds if self.bits2 else self.boundaries1)
+        # the thresholds _count_above compares with, as arrays: data of the compiled encode, not constants
+        self._b1_mx = mx.array(self.boundaries1)
+        if self.bits2:
+            self._b2_row0_mx = mx.array(self.boundaries2[0])
+            self._fine_mx = mx.array(self._fine_thresholds) if self.residual == "conditional" else None
         # up to this many thresholds, count over the flat list instead of gathering per cell; measured
         # on MLX's CPU backend the flat count wins or ties for every config (e.g. 2+4: 0.26 s vs 1.2 s,
         # 4+2: 0.39 vs 0.36 s per 12.8M coordinates); the gathered form stays for tests and as the spec's
@@ -404,15 +409,15 @@ class RVQCodec:
             p = self._search_grid(y)  # the point's index among all 2^(bits1+bits2): stage 1 on top
             codes1 = pack_codes(p >> self.bits2, self.bits1)
             return codes1, (pack_codes(p, self.bits2) if self.bits2 else None)  # pack_codes keeps the low bits
-        idx1 = self._count_above(y, self.boundaries1)
+        idx1 = self._count_above(y, self._b1_mx)
         codes1 = pack_codes(idx1, self.bits1)
         if not self.bits2:
             return codes1, None
         i1 = idx1.astype(mx.uint32)
         if self.residual == "shared":
-            idx2 = self._count_above(y - mx.take(self._c1_mx, i1), self.boundaries2[0])
+            idx2 = self._count_above(y - mx.take(self._c1_mx, i1), self._b2_row0_mx)
         elif len(self._fine_thresholds) <= self.max_flat_thresholds:
-            idx2 = self._count_above(y, self._fine_thresholds) & ((1 << self.bits2) - 1)
+            idx2 = self._count_above(y, self._fine_mx) & ((1 << self.bits2) - 1)
         else:
             idx2 = mx.zeros(y.shape, mx.uint8)
             for col in self._b2_cols:
@@ -433,10 +438,19 @@ class RVQCodec:
         return p
 
     @staticmethod
-    def _count_above(v: mx.array, boundaries: np.ndarray) -> mx.array:
+    def _count_above(v: mx.array, boundaries: mx.array | np.ndarray) -> mx.array:
+        """``#{k : v > boundaries[k]}``, the boundaries rounded to ``v``'s dtype (as a Python scalar would be).
+
+        Unrolled compares: the fastest formulation on MLX's CPU backend. Each boundary is an element of an
+        array, not a Python float: a compiled encode then embeds no constants, so MLX generates and compiles
+        its fused kernels once per number of thresholds rather than once per codec's table. With the values
+        as constants a new table cost a fresh machine 17 s (2+2) to 120 s (4+4) of C++ builds on the CPU
+        backend and minutes of NVRTC builds on CUDA (tools/results/suite-gpu.txt)."""
+        t = mx.array(boundaries) if isinstance(boundaries, np.ndarray) else boundaries
+        t = t.astype(v.dtype)
         idx = mx.zeros(v.shape, mx.uint8)
-        for b in boundaries:  # unrolled compares: the fastest formulation on MLX's CPU backend
-            idx = idx + (v > float(b)).astype(mx.uint8)
+        for k in range(t.shape[0]):
+            idx = idx + (v > t[k]).astype(mx.uint8)
         return idx
 
     def _dequantize_reference(self, codes1: mx.array, codes2: mx.array) -> mx.array:
