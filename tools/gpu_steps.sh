@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # Named measurement steps for one held GPU machine (../shared/gpu/README.md installs MLX there first).
-# Each step writes its log and results under $OUT and has its own time limit, so one device call runs
-# several of them and a step that fails or overruns still leaves the others' results.
+# Each step has its own time limit and writes its results under $OUT, its output into one log
+# ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
+# a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check suite
+#   steps: parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
 py=${PYTHON:-python3}
 tmp=${GPU_TMP:-/root/rvqtmp}; mkdir -p "$tmp"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader \
-  > "$OUT/device.txt" 2>&1 || true
+log=$OUT/steps.log
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader; } \
+  >> "$log" 2>&1 || true
 gen=(tools/bench_generation.py --model random --arms kv,packed-2+2,packed-4+2,resident-2+2 --steps 4 --rounds 3)
 
-step() {  # step NAME LIMIT_S CMD...: the command's output in $OUT/NAME.log, its status and seconds in steps.txt
+step() {  # step NAME LIMIT_S CMD...: the command's output, status and seconds appended to steps.log
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "==== $name: $*" >> "$log"
+  timeout -k 5 "$limit" "$@" >> "$log" 2>&1
   local rc=$?
-  echo "$name rc=$rc ${SECONDS}s-${t0}s=$((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+  echo "==== $name rc=$rc $((SECONDS - t0))s" | tee -a "$log"
 }
 
 for s in "$@"; do
@@ -40,8 +43,12 @@ for s in "$@"; do
         --json "$OUT/load.json" --md "$OUT/load.md" ;;
     model-check) step model-check 200 $py tools/bench_model_check.py --model random --layers 8 --rounds 5 --fresh-rounds 2 \
         --out "$OUT/model-check.txt" ;;
-    suite) step suite 560 $py -m pytest -q -rfE -p no:cacheprovider -n 14 --durations=20 ;;
-    *) echo "unknown step $s" | tee -a "$OUT/steps.txt" ;;
+    profile-resume) step profile-resume 240 $py tools/profile_resume.py --context 32768 --rounds 3 --tmp "$tmp" \
+        --json "$OUT/profile-resume.json" ;;
+    profile-step) step profile-step 150 $py tools/profile_step.py --context 32768 --arms kv,packed-2+2 --steps 6 \
+        --rounds 2 --profile --json "$OUT/profile-step.json" ;;
+    suite) step suite 560 $py -m pytest -v --tb=short -p no:cacheprovider -n 15 --durations=20 ;;
+    *) echo "unknown step $s" | tee -a "$log" ;;
   esac
 done
 rm -rf "$tmp"
