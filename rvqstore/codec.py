@@ -444,8 +444,8 @@ class RVQCodec:
         Unrolled compares: the fastest formulation on MLX's CPU backend. Each boundary is an element of an
         array, not a Python float: a compiled encode then embeds no constants, so MLX generates and compiles
         its fused kernels once per number of thresholds rather than once per codec's table. With the values
-        as constants a new table cost a fresh machine 17 s (2+2) to 120 s (4+4) of C++ builds on the CPU
-        backend and minutes of NVRTC builds on CUDA (tools/results/suite-gpu.txt)."""
+        as constants a fresh machine's first encode cost 17 s (2+2) to 120 s (4+4) of C++ builds on the CPU
+        backend (and, by all signs, the 434 s of a first 4+4 encode on the H200: tools/results/suite-gpu.txt)."""
         t = mx.array(boundaries) if isinstance(boundaries, np.ndarray) else boundaries
         t = t.astype(v.dtype)
         idx = mx.zeros(v.shape, mx.uint8)

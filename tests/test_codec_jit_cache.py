@@ -3,7 +3,7 @@
 MLX's compiled graphs inline scalar constants into the kernels they generate (C++ on the CPU backend,
 NVRTC on CUDA), and keep each generated kernel on disk under ``<TMPDIR>/mlx/<version>/``. With the
 thresholds as Python floats, every codec table made its own kernels: a fresh machine's first 4+2 encode
-built 34 of them (39 s on this project's CPU; minutes of NVRTC builds on the H200, the first-use checks run
+built 34 of them (39 s on this project's CPU; on CUDA these are NVRTC builds, and the first-use checks run
 this path). With the thresholds as array elements the kernels depend on the bit widths only.
 """
 
