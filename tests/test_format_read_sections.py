@@ -103,9 +103,9 @@ def test_a_source_without_concurrent_reads_is_read_from_one_thread(mixed, monkey
         assert all(np.array_equal(g, f.read_section(n)) for g, n in zip(got, names))
 
 
-def test_files_and_bytes_take_concurrent_reads(mixed, monkeypatch):
-    path, h = mixed
-    monkeypatch.setattr(R, "READ_THREADS", 4)
+@pytest.fixture
+def reader_threads(monkeypatch):
+    """The set of threads that read a section (filled as sections are read)."""
     seen = set()
     real = R.RVQFile.read_section
 
@@ -114,6 +114,13 @@ def test_files_and_bytes_take_concurrent_reads(mixed, monkeypatch):
         return real(self, name)
 
     monkeypatch.setattr(R.RVQFile, "read_section", spy)
+    return seen
+
+
+def test_files_and_bytes_take_concurrent_reads(mixed, monkeypatch, reader_threads):
+    path, h = mixed
+    monkeypatch.setattr(R, "READ_THREADS", 4)
+    seen = reader_threads
     for src in (path, path.read_bytes()):
         seen.clear()
         with F.open_rvq(src) as f:
@@ -121,18 +128,11 @@ def test_files_and_bytes_take_concurrent_reads(mixed, monkeypatch):
         assert len(seen) > 1  # the pool took the zstd sections
 
 
-def test_small_files_are_read_in_turn(mixed, monkeypatch):
+def test_small_files_are_read_in_turn(mixed, monkeypatch, reader_threads):
     path, h = mixed
     monkeypatch.setattr(R, "READ_THREADS", 4)
     packed = sum(s.raw_length for s in h.sections if s.codec != "raw")
-    seen = set()
-    real = R.RVQFile.read_section
-
-    def spy(self, name):
-        seen.add(threading.get_ident())
-        return real(self, name)
-
-    monkeypatch.setattr(R.RVQFile, "read_section", spy)
+    seen = reader_threads
     for limit, threads in ((packed + 1, 1), (packed, None)):
         monkeypatch.setattr(R, "PARALLEL_MIN_BYTES", limit)
         seen.clear()
