@@ -81,7 +81,16 @@ class _Stream:
     buffers together, up to :attr:`block` steps in one update per buffer, or as soon as anything
     reads the buffers (``scales``/``codes1``/``codes2`` are properties that write what is staged
     first; ``n`` counts staged tokens). Resident caches stage: their attention reads the decoded
-    copy, so a decode step's six small buffer updates become one per :attr:`block` steps."""
+    copy, so a decode step's six small buffer updates become one per :attr:`block` steps.
+
+    Packed caches on CUDA write a step's codes *in place* (:meth:`write_inplace`,
+    :func:`rvqstore.cache_append.launch_inplace`): the kernel writes into buffers MLX believes
+    unchanged, so two rules keep that invisible. Readers are ordered after the writes through the
+    count array the write returns (:meth:`live`: the kernels that read the buffers take it as their
+    token count), and every other access evaluates it first (the properties, :meth:`buffers`). And a
+    position is written in place only if no array handed out before could read it: at or above
+    ``_hw``, the end of everything ever written into these buffers (a trim lowers ``n``, not ``_hw``;
+    new buffers reset it)."""
 
     step = 256
     block = 16
@@ -95,11 +104,13 @@ class _Stream:
         self._n = 0  # tokens written into the buffers
         self._staged: list = []  # [(scales, codes1, codes2)] of single steps, in order
         self._staged_n = 0
+        self._hw = 0  # positions [0, _hw) were written (and maybe read): never rewritten in place
+        self._count = None  # [n] from the last in-place write, until evaluated (see the class docstring)
 
     # the buffers: reading or replacing one writes the staged steps first
     @property
     def scales(self) -> mx.array | None:
-        if self._staged:
+        if self._staged or self._count is not None:
             self._flush()
         return self._scales
 
@@ -110,7 +121,7 @@ class _Stream:
 
     @property
     def codes1(self) -> mx.array | None:
-        if self._staged:
+        if self._staged or self._count is not None:
             self._flush()
         return self._codes1
 
@@ -121,7 +132,7 @@ class _Stream:
 
     @property
     def codes2(self) -> mx.array | None:
-        if self._staged:
+        if self._staged or self._count is not None:
             self._flush()
         return self._codes2
 
@@ -136,9 +147,35 @@ class _Stream:
 
     def buffers(self) -> tuple[mx.array | None, mx.array | None, mx.array | None]:
         """``(scales, codes1, codes2)`` with what is staged written: the three properties in one call."""
-        if self._staged:
+        if self._staged or self._count is not None:
             self._flush()
         return self._scales, self._codes1, self._codes2
+
+    def live(self) -> tuple[tuple, mx.array | None]:
+        """``((scales, codes1, codes2), count)`` for a kernel that reads the buffers: ``count`` ``[n]`` is
+        the last in-place write's (the kernel must take it as its token count: that orders it after the
+        write), or None when nothing is pending (the kernel takes any ``[n]`` then). Nothing is staged in
+        the modes that write in place."""
+        if self._staged:
+            self._flush()
+        return (self._scales, self._codes1, self._codes2), self._count
+
+    def settle(self) -> None:
+        """Finish a pending in-place write (after it, the buffers' memory holds it for any reader)."""
+        if self._count is not None:
+            mx.eval(self._count)
+            self._count = None
+
+    def inplace_ok(self, t: int) -> bool:
+        """Whether ``t`` new tokens can be written in place now: room in the buffers, and nothing handed
+        out before can read their positions."""
+        return self._scales is not None and self._n >= self._hw and self._n + t <= self._scales.shape[-1]
+
+    def wrote_inplace(self, t: int, count: mx.array) -> None:
+        """Record an in-place write of ``t`` tokens whose readers must take ``count``."""
+        self._n += t
+        self._hw = self._n
+        self._count = count
 
     @n.setter
     def n(self, value: int) -> None:
@@ -153,6 +190,7 @@ class _Stream:
             self._flush()
 
     def _flush(self) -> None:
+        self.settle()
         if not self._staged:
             return
         parts, t = self._staged, self._staged_n
@@ -168,12 +206,14 @@ class _Stream:
         if self._codes2 is not None:
             self._codes2[:, :, n:n + t] = joined(2)
         self._n = n + t
+        self._hw = max(self._hw, self._n)
 
     def _grow(self, lead: tuple[int, int], need: int) -> None:
         cap = 0 if self._scales is None else self._scales.shape[-1]
         if need <= cap:
             return
         new_cap = -(-need // self.step) * self.step
+        self.settle()  # the copy below reads the buffers with MLX ops
         c = self.codec
         n = self._n  # written tokens (staged ones are written after growing)
 
@@ -187,6 +227,7 @@ class _Stream:
         self._codes1 = grow(self._codes1, (c.words1,), mx.uint32)
         if c.bits2:
             self._codes2 = grow(self._codes2, (c.words2,), mx.uint32)
+        self._hw = n  # new buffers: nothing past the copied tokens was ever handed out
 
     def append(self, x: mx.array) -> None:
         self.append_encoded(self.codec.encode(x, check_finite=False))
@@ -203,17 +244,21 @@ class _Stream:
         if enc.codes2 is not None:
             self.codes2[..., self.n:end, :] = enc.codes2
         self.n = end
+        self._hw = max(self._hw, end)
 
     def take_buffers(self, scales: mx.array, codes1: mx.array, codes2: mx.array | None, n: int) -> None:
-        """Hold new buffers (capacity ``scales.shape[-1]``) whose first ``n`` tokens are coded."""
+        """Hold new buffers (capacity ``scales.shape[-1]``) whose first ``n`` tokens are coded: the cache's
+        own (a kernel's outputs), so the rest may be written in place."""
         self._staged, self._staged_n = [], 0
         self._scales, self._codes1, self._codes2 = scales, codes1, codes2
-        self._n = n
+        self._n = self._hw = n
+        self._count = None
 
     def set_packed(self, scales: mx.array, codes1: mx.array, codes2: mx.array | None) -> None:
         self._staged, self._staged_n = [], 0  # replaced wholesale: nothing staged survives
         self._scales, self._codes1, self._codes2 = scales, codes1, codes2
-        self._n = scales.shape[-1]
+        self._n = self._hw = scales.shape[-1]  # arrays from outside: never written in place
+        self._count = None
 
     def check_packed(self, packed: Any, shape: tuple[int, int, int], dim: int, dtype: mx.Dtype,
                      head_dims: tuple[int, int]) -> None:
@@ -474,6 +519,7 @@ class RVQKVCache:
         ks[:, :, n:end], k1[:, :, n:end], k2[:, :, n:end] = out[0], out[1], out[2]
         vs[:, :, n:end], v1[:, :, n:end], v2[:, :, n:end] = out[3], out[4], out[5]
         k._n = v._n = end  # nothing staged now (buffers() wrote it)
+        k._hw, v._hw = max(k._hw, end), max(v._hw, end)
 
     def _compiled_append(self, keys: mx.array, values: mx.array) -> bool:
         """Append through one compiled call; False where the unfused path must run (the first append,
@@ -537,12 +583,14 @@ class RVQKVCache:
         """What attention on codes reads: the streams' buffers, the coded count and the window (the sink
         joined in front of it, keys minus the key mean: rvqstore.cache_state)."""
         k, v = self._keys, self._values
+        kb, count = k.live()  # count: a pending in-place write's (both streams share it)
+        vb = v.live()[0]
         if self._dense_k is None and self._state is None:  # a decode step's cache: the codes alone
-            return attention.CodesView(k.codec, v.codec, self.geometry[1], k.n, k.buffers(), v.buffers(), None, None)
+            return attention.CodesView(k.codec, v.codec, self.geometry[1], k.n, kb, vb, None, None, count)
         dk, dv = (self._dense_k, self._dense_v) if self.n_dense else (None, None)
         if self._state is not None:
             dk, dv = self._state.attention_window(dk, dv)
-        return attention.CodesView(k.codec, v.codec, self.geometry[1], k.n, k.buffers(), v.buffers(), dk, dv)
+        return attention.CodesView(k.codec, v.codec, self.geometry[1], k.n, kb, vb, dk, dv, count)
 
     def attend_on_codes(self, queries: mx.array, *, scale: float, mask=None, sinks=None) -> mx.array | None:
         """Attention of ``queries`` over this cache computed from the codes (packed mode), or None

@@ -14,6 +14,11 @@ configuration compares the kernel with the codec's encode on the same vectors an
 off (logged once) unless the norms agree within one bfloat16 ulp and nearly every code word is equal;
 a cache then takes its other paths. Either encoding is a valid one of the same codec.
 
+Packed caches go further where their buffers have room: :func:`launch_inplace` writes the codes into
+the buffers themselves (no slice updates, no copy; one primitive per layer and step). MLX does not know
+the buffers changed, so the launch returns a count array that every later reader takes, and the cache
+keeps positions anything was handed out for from being rewritten (rvqstore.cache._Stream).
+
 CUDA only (the Metal dialect of this body is not written); head dims that are powers of two from 32
 to 256; two-stage codes of 1, 2 or 4 bits per stage; keys and values of one dtype and codec.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import threading
 
 import mlx.core as mx
@@ -42,6 +48,10 @@ COPY_MAX_TOKENS = 16384
 _disabled: dict = {}  # configuration -> why the kernel is off for it
 _verified: set = set()
 
+#: packed caches write a step's codes into their buffers in place (launch_inplace) unless RVQSTORE_INPLACE=0
+#: (then the copy append or slice updates: the same bytes)
+INPLACE = os.environ.get("RVQSTORE_INPLACE", "1").strip() != "0"
+
 #: first-use check: share of code words that must equal the codec's encode (norms may differ by one
 #: bfloat16 ulp on a handful of vectors, which re-codes those vectors)
 MIN_EQUAL_WORDS = 0.98
@@ -57,19 +67,28 @@ def supported(codec) -> str | None:
     return None
 
 
-def _kernel(resident: bool, copy: bool = False):
-    k = _kernel_fns.get((resident, copy))
+#: what the in-place variant's body needs beside the prelude: its buffers come in as const inputs
+_WRITABLE = "\ntemplate <typename T> __device__ inline T* rvq_writable(const T* p) { return const_cast<T*>(p); }\n"
+
+
+def _kernel(resident: bool, copy: bool = False, inplace: bool = False):
+    k = _kernel_fns.get((resident, copy, inplace))
     if k is None:
         prelude = fused.load_source("rvq_prelude_cuda.cuh")
         header = (prelude + ("\n#define RVQ_APPEND_RESIDENT 1" if resident else "")
-                  + ("\n#define RVQ_APPEND_COPY 1" if copy else "") + "\n" + fused.load_source("rvq_common.h"))
+                  + ("\n#define RVQ_APPEND_COPY 1" if copy else "")
+                  + ("\n#define RVQ_APPEND_INPLACE 1" + _WRITABLE if inplace else "")
+                  + "\n" + fused.load_source("rvq_common.h"))
         body = fused.load_source("rvq_attend_body_prelude_cuda.inc") + fused.load_source("rvq_append.inc")
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
-        k = _kernel_fns[(resident, copy)] = kernel_cache.cuda_kernel(  # compiled once per machine
-            name=f"rvq_append{'_res' if resident else ''}{'_copy' if copy else ''}_{digest}",
+        variant = ("_res" if resident else "") + ("_copy" if copy else "") + ("_inplace" if inplace else "")
+        k = _kernel_fns[(resident, copy, inplace)] = kernel_cache.cuda_kernel(  # compiled once per machine
+            name=f"rvq_append{variant}_{digest}",
             input_names=["k", "v", "sg", "tab", "dtab", "lim", "params"]
-            + (["cnt", "oks", "ok1", "ok2", "ovs", "ov1", "ov2"] if copy else []),
-            output_names=["ks", "k1", "k2", "vs", "v1", "v2"] + (["rk", "rv"] if resident else []),
+            + (["cnt", "oks", "ok1", "ok2", "ovs", "ov1", "ov2"] if copy else [])
+            + (["cnt", "bks", "bk1", "bk2", "bvs", "bv1", "bv2"] if inplace else []),
+            output_names=(["done"] if inplace else
+                          ["ks", "k1", "k2", "vs", "v1", "v2"] + (["rk", "rv"] if resident else [])),
             source=body, header=header, ensure_row_contiguous=True)
     return k
 
@@ -141,6 +160,22 @@ class _Setup:
             c = self.copies[key] = _Call(
                 _kernel(False, True), self.template + [("InT", keys.dtype)], [keys.dtype, values.dtype], consts,
                 [lead, lead + (w1,), lead + (w2,), lead, lead + (w1,), lead + (w2,)], list(_DTYPES), None, (d, 1, 1))
+        return c
+
+    def inplace_call(self, codec, keys: mx.array, values: mx.array, cap: int) -> "_Call":
+        """The in-place launch's arguments (made once per shape, dtypes and capacity)."""
+        shape = keys.shape
+        key = (shape, keys.dtype, values.dtype, cap, "inplace")
+        c = self.copies.get(key)
+        if c is None:
+            b, h, t, d = shape
+            if len(self.copies) > 64:
+                self.copies.clear()
+            consts = [self.signs, self.plan.tab, self.dtab, self.limit(codec, keys.dtype),
+                      self.copy_params(b * h * t, t, cap, cap)]
+            c = self.copies[key] = _Call(_kernel(False, False, True), self.template + [("InT", keys.dtype)],
+                                         [keys.dtype, values.dtype], consts, [(1,)], [mx.uint32],
+                                         (2 * b * h * t * d, 1, 1), (d, 1, 1))
         return c
 
     def limit(self, codec, dtype) -> mx.array:
@@ -232,9 +267,9 @@ def launch(codec, keys: mx.array, values: mx.array, resident: bool = False) -> t
 
 
 def launch_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple, n: int,
-                cap: int) -> tuple:
+                cap: int, count: mx.array | None = None) -> tuple:
     """The kernel's whole new buffers ``(ks, k1, k2, vs, v1, v2)`` of ``cap`` tokens: the old buffers'
-    first ``n`` tokens, then the new ones (no checks)."""
+    first ``n`` tokens, then the new ones (no checks; ``count``: ``[n]``, default a shared one)."""
     s = _setup(codec)
     if s is None:
         raise ValueError(f"the fused append does not take {codec!r}: {supported(codec)}")
@@ -242,22 +277,88 @@ def launch_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, val
     b, h, t, d = keys.shape
     side = b * h * n * (codec.words1 + codec.words2 + 1)
     groups = 2 * b * h * t + -(-2 * side // d)
-    return tuple(c([keys, values, *c.consts, shared_count(n), *key_buffers, *value_buffers], (groups * d, 1, 1)))
+    cnt = shared_count(n) if count is None else count
+    return tuple(c([keys, values, *c.consts, cnt, *key_buffers, *value_buffers], (groups * d, 1, 1)))
+
+
+def launch_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple,
+                   count: mx.array) -> mx.array:
+    """Write the new tokens' codes into the buffers (capacity enough for them, no checks) at the position
+    ``count`` ``[n]`` holds; returns ``done`` ``[n + t]``: the array every later reader of the buffers must
+    take as its token count, which is what orders it after these writes (MLX sees none)."""
+    s = _setup(codec)
+    if s is None:
+        raise ValueError(f"the fused append does not take {codec!r}: {supported(codec)}")
+    c = s.inplace_call(codec, keys, values, key_buffers[0].shape[-1])
+    return c([keys, values, *c.consts, count, *key_buffers, *value_buffers])[0]
+
+
+def _copy(a: mx.array) -> mx.array:
+    """A copy of ``a`` in new memory, bit for bit (NaN payloads kept: integer ops on its bits)."""
+    bits = mx.uint32 if a.dtype.size == 4 else mx.uint16
+    return (a.view(bits) | 0).view(a.dtype)
+
+
+def append_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple, n: int,
+                   count: mx.array | None = None) -> mx.array | None:
+    """:func:`launch_inplace` where the kernel serves the call, else None (nothing written). Its first use
+    writes into copies of the buffers and is compared with :func:`launch` (the rows written, and nothing
+    else changed) before it writes into the real ones."""
+    s = _served(codec, keys, values) if INPLACE else None
+    if s is None or key_buffers[2] is None:
+        return None
+    count = shared_count(n) if count is None else count
+    config = s.config(keys.dtype, False, "inplace")
+    if config not in _verified:
+        kb, vb = tuple(_copy(a) for a in key_buffers), tuple(_copy(a) for a in value_buffers)
+        before = [_copy(a) for a in (*kb, *vb)]
+        mx.eval(count, kb, vb, before)
+        t = keys.shape[2]
+
+        def same_as_append(done):
+            want = launch(codec, keys, values)
+            mx.eval(done, want)
+            if int(done[0].item()) != n + t:
+                return "the count it hands out is not n + t"
+            for got, old, new in zip((*kb, *vb), before, want):
+                if not (bool(mx.array_equal(got[:, :, n:n + t], new, equal_nan=True).item())
+                        and bool(mx.array_equal(got[:, :, :n], old[:, :, :n], equal_nan=True).item())
+                        and bool(mx.array_equal(got[:, :, n + t:], old[:, :, n + t:], equal_nan=True).item())):
+                    return "the buffers it wrote differ from the append kernel's codes written with slice updates"
+            return check(codec, keys, values, want)
+
+        if first_use.serve(config, lambda: launch_inplace(codec, keys, values, kb, vb, count), same_as_append,
+                           verified=_verified, disabled=_disabled, lock=_lock,
+                           what="fused append (in place; slice updates instead)") is None:
+            return None
+    if config in _disabled:
+        return None
+    try:
+        return launch_inplace(codec, keys, values, key_buffers, value_buffers, count)
+    except Exception:  # nothing was built that writes: the caller takes its other paths
+        return None
 
 
 def append_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple, n: int,
-                cap: int) -> tuple | None:
+                cap: int, count: mx.array | None = None, renew: bool = False) -> tuple | None:
     """:func:`launch_copy` where the kernel serves the call, else None (then append() and slice
-    updates). Its first use (and its first use growing the buffers) is compared with that path."""
-    s = None if n == 0 or cap > COPY_MAX_TOKENS else _served(codec, keys, values)
+    updates). Its first use (and its first use growing the buffers) is compared with that path.
+    ``count``: the ``[n]`` array readers of the buffers take (an in-place write's ``done``), if any.
+    Up to ``COPY_MAX_TOKENS`` tokens; at any size when the buffers grow (they are copied then anyway)
+    or with ``renew`` (the caller wants buffers it may write in place again, e.g. after a trim)."""
+    old_cap = key_buffers[0].shape[-1]
+    big = cap > COPY_MAX_TOKENS and cap == old_cap and not renew
+    s = None if n == 0 or big else _served(codec, keys, values)
     if s is None:
         return None
-    config = s.config(keys.dtype, False, "copy", cap != key_buffers[0].shape[-1])
+    config = s.config(keys.dtype, False, "copy", cap != old_cap)
     if config in _verified and config not in _disabled:  # checked: launch (a failure goes through serve)
         try:
-            return launch_copy(codec, keys, values, key_buffers, value_buffers, n, cap)
+            return launch_copy(codec, keys, values, key_buffers, value_buffers, n, cap, count)
         except Exception:
             pass
+    if count is not None:  # the first use reads the buffers with MLX ops too: the writes must be done
+        mx.eval(count)
 
     def same_as_slice_updates(out):
         want = launch(codec, keys, values)
@@ -269,7 +370,7 @@ def append_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, val
                 return "the copied buffers differ from slice updates"
         return None
 
-    return first_use.serve(config, lambda: launch_copy(codec, keys, values, key_buffers, value_buffers, n, cap),
+    return first_use.serve(config, lambda: launch_copy(codec, keys, values, key_buffers, value_buffers, n, cap, count),
                            same_as_slice_updates, verified=_verified, disabled=_disabled, lock=_lock,
                            what="fused append (copy; slice updates instead)")
 

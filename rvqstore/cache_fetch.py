@@ -89,20 +89,24 @@ def _setup(codec):
     return s
 
 
-def launch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype) -> tuple[mx.array, mx.array]:
-    """Decoded keys and values ``(B, H, n, D)`` in ``dtype`` of the buffers' first ``n`` tokens."""
+def launch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype,
+           count: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """Decoded keys and values ``(B, H, n, D)`` in ``dtype`` of the buffers' first ``n`` tokens (``count``:
+    ``[n]``, a pending in-place write's if any: see rvqstore.cache._Stream)."""
     s = _setup(codec)
     shape = key_buffers[0].shape
     b, h, _ = shape
     d = codec.dim
     c = s.call(shape, dtype)
     signs, dtab, args = c.consts  # args: [capacity, B * H], fixed with the buffers' shape
-    out = c([*key_buffers, *value_buffers, signs, dtab, cache_append.shared_count(n), args],
+    cnt = cache_append.shared_count(n) if count is None else count
+    out = c([*key_buffers, *value_buffers, signs, dtab, cnt, args],
             (2 * b * h * n * d, 1, 1), [(b, h, n, d), (b, h, n, d)])
     return out[0], out[1]
 
 
-def fetch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype) -> tuple | None:
+def fetch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype,
+          count: mx.array | None = None) -> tuple | None:
     """``(keys, values)`` decoded from the buffers by one launch, or None (no CUDA device, a
     configuration the kernel does not take, latched off): then the caller decodes with MLX ops."""
     if n == 0 or fused.gpu_backend() != "cuda" or not fused._on_gpu():
@@ -115,16 +119,18 @@ def fetch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype) -> tup
         config = s.configs[dtype] = s.base + (str(dtype),)
     if config in _verified and config not in _disabled:  # checked: launch (a failure goes through serve)
         try:
-            return launch(codec, key_buffers, value_buffers, n, dtype)
+            return launch(codec, key_buffers, value_buffers, n, dtype, count)
         except Exception:
             pass
+    if count is not None:  # the first use reads the buffers with MLX ops too: the write must be done
+        mx.eval(count)
 
     def same_as_decode(out):  # bit for bit the MLX-ops decode
         k, v = cache_steps.decode_fn(codec, dtype)(*key_buffers, *value_buffers)
         same = [mx.array_equal(a, b[:, :, :n], equal_nan=True) for a, b in zip(out, (k, v))]
         return None if all(bool(x.item()) for x in same) else "differs from the codec's decode"
 
-    return first_use.serve(config, lambda: launch(codec, key_buffers, value_buffers, n, dtype), same_as_decode,
+    return first_use.serve(config, lambda: launch(codec, key_buffers, value_buffers, n, dtype, count), same_as_decode,
                            verified=_verified, disabled=_disabled, lock=_lock,
                            what="fused unpack kernel (MLX-ops decode instead)")
 

@@ -80,11 +80,13 @@ class Packed(CodesOnly):
         if not cache._steps_apply or cache._steps_off:
             return cache._decode_range(0, n)
         ks = cache._keys
-        kb, vb = ks.buffers(), cache._values.buffers()
-        kv = cache_fetch.fetch(ks.codec, kb, vb, n, cache.dtype) if cache.use_kernels else None
+        kb, count = ks.live()  # count: a pending in-place write's, which the launch must take
+        vb = cache._values.live()[0]
+        kv = cache_fetch.fetch(ks.codec, kb, vb, n, cache.dtype, count) if cache.use_kernels else None
         state = cache._state
         if kv is not None:  # the launch decodes the codes; a centering cache adds its key mean back
             return kv if state is None or state.mean32 is None else (state.restored(kv[0], cache.dtype), kv[1])
+        kb, vb = ks.buffers(), cache._values.buffers()  # MLX ops read them: any pending write finished first
         mean = None if state is None else state.mean32
         fn = cache._step_fns.get(("decode", mean is not None))
         if fn is None:
@@ -98,27 +100,49 @@ class Packed(CodesOnly):
         return False
 
     def kernel_append(self, cache: Any, keys: mx.array, values: mx.array) -> bool:
-        """(CUDA) append through the fused kernel: up to ``COPY_MAX_TOKENS`` whole new buffers from the
-        copy append, else the launch's codes written with static slices."""
-        if cache._keys.n and self._copy_append(cache, keys, values):
+        """(CUDA) append through the fused kernel: written in place where the buffers have room (one
+        launch, no slice updates, no copy); when they grow (or up to ``COPY_MAX_TOKENS``, where in place
+        is refused) whole new buffers from the copy append; else the launch's codes written with static
+        slices."""
+        k, v = cache._keys, cache._values
+        if k.n and k.inplace_ok(keys.shape[2]) and self._inplace_append(cache, keys, values):
             return True
-        out = cache_append.append(cache._keys.codec, keys, values, False)
+        if k.n and self._copy_append(cache, keys, values):
+            return True
+        out = cache_append.append(k.codec, keys, values, False)
         if out is None:
             return False
         cache._write_codes(out, keys.shape[2])
         return True
 
     @staticmethod
-    def _copy_append(cache: Any, keys: mx.array, values: mx.array) -> bool:
-        """Short contexts: the kernel writes whole new buffers (old tokens + new), so the step needs
-        no slice updates (rvqstore.cache_append.COPY_MAX_TOKENS)."""
+    def _inplace_append(cache: Any, keys: mx.array, values: mx.array) -> bool:
         k, v = cache._keys, cache._values
-        kb = k.buffers()
+        kb, count = k.live()
+        vb = v.live()[0]
+        done = cache_append.append_inplace(k.codec, keys, values, kb, vb, k.n, count)
+        if done is None:
+            return False
+        t = keys.shape[2]
+        k.wrote_inplace(t, done)
+        v.wrote_inplace(t, done)
+        return True
+
+    @staticmethod
+    def _copy_append(cache: Any, keys: mx.array, values: mx.array) -> bool:
+        """The kernel writes whole new buffers (old tokens + new): when the buffers grow, once after a
+        trim, and at short contexts (rvqstore.cache_append.COPY_MAX_TOKENS), so the step needs no slice
+        updates."""
+        k, v = cache._keys, cache._values
+        kb, count = k.live()  # the copy reads the old buffers in the kernel: it takes a pending write's count
+        vb = v.live()[0]
         n, cap = k.n, kb[0].shape[-1]
         need = n + keys.shape[2]
         if need > cap:
             cap = -(-need // k.step) * k.step
-        out = cache_append.append_copy(k.codec, keys, values, kb, v.buffers(), n, cap)
+        # below _hw (after a trim) nothing is written in place: new buffers once make that possible again
+        renew = cache_append.INPLACE and n < k._hw
+        out = cache_append.append_copy(k.codec, keys, values, kb, vb, n, cap, count, renew)
         if out is None:
             return False
         k.take_buffers(out[0], out[1], out[2], need)

@@ -16,6 +16,9 @@ import pytest
 from rvqstore import RVQCodec, RVQKVCache, cache_append, cache_fetch
 from rvqstore.codec import EncodedVectors
 
+from kernel_models import (model_launch, model_launch_copy, model_launch_inplace,  # noqa: E402
+                           model_unpack)
+
 REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
 
 
@@ -126,37 +129,6 @@ def test_gpu_copy_append_equals_slice_updates(monkeypatch):
 
 
 # ---- on every backend: the caches' bookkeeping around the CUDA-only launches ------------------------------
-def _model_launch(codec, keys, values, resident=False):
-    """What the append kernel computes, with the codec's MLX-ops encode (and decode)."""
-    b = keys.shape[0]
-    enc = codec.encode(mx.concatenate([keys, values]), check_finite=False)
-    out = (enc.scales[:b], enc.codes1[:b], enc.codes2[:b], enc.scales[b:], enc.codes1[b:], enc.codes2[b:])
-    if resident:
-        dec = codec.decode(enc)
-        out += (dec[:b], dec[b:])
-    return out
-
-
-def _model_launch_copy(codec, keys, values, key_buffers, value_buffers, n, cap):
-    """The copy append: new buffers of ``cap`` tokens holding the old first ``n`` and then the new ones."""
-    new = _model_launch(codec, keys, values)
-    t = keys.shape[2]
-    out = []
-    for old, fresh in zip((*key_buffers, *value_buffers), new):
-        buf = mx.zeros(old.shape[:2] + (cap,) + old.shape[3:], old.dtype)
-        buf[:, :, :n] = old[:, :, :n]
-        buf[:, :, n:n + t] = fresh
-        out.append(buf)
-    return tuple(out)
-
-
-def _model_unpack(codec, key_buffers, value_buffers, n, dtype):
-    from rvqstore import cache_steps
-
-    k, v = cache_steps.decode_fn(codec, dtype)(*key_buffers, *value_buffers)
-    return k[:, :, :n], v[:, :, :n]
-
-
 @pytest.mark.parametrize("mode", ["packed", "resident"])
 def test_kernel_paths_bookkeeping_matches_the_portable_path(monkeypatch, mode):
     """With the three launches replaced by their MLX-ops models and a CUDA device pretended, a cache
@@ -185,9 +157,10 @@ def test_kernel_paths_bookkeeping_matches_the_portable_path(monkeypatch, mode):
         m.setattr(fused, "quantize_pack", lambda *a: None)  # the codec's own kernels stay off
         m.setattr(fused, "unpack_dequantize", lambda *a: None)
         m.setattr(kernel, "attend", lambda *a, **kw: None)
-        m.setattr(cache_append, "launch", _model_launch)
-        m.setattr(cache_append, "launch_copy", _model_launch_copy)
-        m.setattr(cache_fetch, "launch", _model_unpack)
+        m.setattr(cache_append, "launch", model_launch)
+        m.setattr(cache_append, "launch_copy", model_launch_copy)
+        m.setattr(cache_append, "launch_inplace", model_launch_inplace)
+        m.setattr(cache_fetch, "launch", model_unpack)
         for mod in (cache_append, cache_fetch):
             m.setattr(mod, "_verified", set())
             m.setattr(mod, "_disabled", {})
@@ -197,6 +170,7 @@ def test_kernel_paths_bookkeeping_matches_the_portable_path(monkeypatch, mode):
     assert any(cfg[-1] == (mode == "resident") for cfg in served)
     if mode == "packed":
         assert any("copy" in cfg and cfg[-1] for cfg in served)  # the copy append grew the buffers
+        assert any("inplace" in cfg for cfg in served)  # single steps were written in place
         assert unpacked  # what update_and_fetch handed back came from the unpack (cache_modes.Packed.coded)
     else:
         assert not unpacked  # resident caches hand back their decoded copy
@@ -205,3 +179,65 @@ def test_kernel_paths_bookkeeping_matches_the_portable_path(monkeypatch, mode):
     for a, b in zip(fast.state, ref.state):
         assert (a is None and b is None) or mx.array_equal(a, b)
     assert mx.array_equal(fk, rk) and mx.array_equal(fv, rv)
+
+
+def test_inplace_writes_never_reach_what_was_handed_out(monkeypatch):
+    """Positions written in place are never ones an earlier array could read: after a trim the cache
+    copies its buffers once before it writes in place again (views of the state taken before keep their
+    values), and arrays
+    that came from outside (a loaded state) are never written in place. Bookkeeping only, on every
+    backend (the in-place launch replaced by its model, a CUDA device pretended)."""
+    from rvqstore import fused
+    from rvqstore.attention import kernel
+
+    rng = np.random.default_rng(5)
+    k = mx.array(rng.standard_normal((1, 2, 120, 64)).astype(np.float32))
+    v = mx.array(rng.standard_normal((1, 2, 120, 64)).astype(np.float32))
+    writes = []
+
+    def counted(*a):
+        writes.append(int(a[-1][0].item()))
+        return model_launch_inplace(*a)
+
+    with monkeypatch.context() as m:
+        m.setattr(fused, "gpu_backend", lambda: "cuda")
+        m.setattr(fused, "_on_gpu", lambda: True)
+        m.setattr(fused, "quantize_pack", lambda *a: None)
+        m.setattr(fused, "unpack_dequantize", lambda *a: None)
+        m.setattr(kernel, "attend", lambda *a, **kw: None)
+        m.setattr(cache_append, "launch", model_launch)
+        m.setattr(cache_append, "launch_copy", model_launch_copy)
+        m.setattr(cache_append, "launch_inplace", counted)
+        m.setattr(cache_fetch, "launch", model_unpack)
+        m.setattr(cache_append, "COPY_MAX_TOKENS", 0)  # in place or slice updates, no copies
+        for mod in (cache_append, cache_fetch):
+            m.setattr(mod, "_verified", set())
+            m.setattr(mod, "_disabled", {})
+        c = RVQKVCache((2, 2))
+        c.update_and_fetch(k[:, :, :40], v[:, :, :40])
+        for i in range(40, 60):
+            c.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        assert writes[-1] == 59 and c._keys._count is not None  # written in place, count pending
+        held = [np.array(a) if a.dtype != mx.bfloat16 else np.array(a.view(mx.uint16))
+                for a in c.state if a is not None]
+        assert c._keys._count is None  # reading the state finished the pending write first
+        views = [a for a in c.state if a is not None]
+        c.trim(5)
+        n_writes = len(writes)
+        for i in range(55, 65):  # positions 55..59 were handed out: not rewritten in place
+            c.update_and_fetch(k[:, :, (i + 7):(i + 8)], v[:, :, (i + 7):(i + 8)])
+        # the first token after the trim went into new buffers (a copy), the others in place again
+        assert writes[n_writes:] == list(range(56, 65))
+        for a, want in zip(views, held):
+            got = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+            assert np.array_equal(got, want)  # the views taken before the trim kept their values
+        st = c.state
+        loaded = RVQKVCache.from_packed(keys=st[0:3], values=st[3:6], dense_keys=None, dense_values=None,
+                                        dtype=mx.float32, head_dims=(64, 64), bits=(2, 2))
+        before = [a for a in st[:6] if a is not None]
+        outside = [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in before]
+        n_writes = len(writes)
+        loaded.update_and_fetch(k[:, :, :1], v[:, :, :1])
+        assert len(writes) == n_writes  # full buffers from outside: grown (copied), not written in place
+        for a, want in zip(before, outside):
+            assert np.array_equal(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a), want)

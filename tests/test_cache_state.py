@@ -379,62 +379,30 @@ def _stand_in_kernels(monkeypatch):
     """The fused append / unpack launches replaced by MLX-ops models of what they compute, on a
     stand-in CUDA device: the cache's wiring around them (mean subtracted before the append, added to
     the unpack's output and the resident copy) is what is tested."""
-    def launch(codec, keys, values, resident=False):
-        b = keys.shape[0]
-        e = codec.encode(mx.concatenate([keys, values]), check_finite=False)
-        out = (e.scales[:b], e.codes1[:b], e.codes2[:b], e.scales[b:], e.codes1[b:], e.codes2[b:])
-        if resident:
-            from rvqstore.codec import EncodedVectors
-
-            x = codec.decode(EncodedVectors(e.scales, e.codes1, e.codes2, keys.dtype))
-            out += (x[:b], x[b:])
-        return out
-
-    def launch_copy(codec, keys, values, kb, vb, n, cap):
-        new = launch(codec, keys, values)
-        t = keys.shape[2]
-        out = []
-        for old, part in zip((*kb, *vb), new):
-            buf = mx.zeros(old.shape[:2] + (cap,) + old.shape[3:], old.dtype)
-            buf[:, :, :n] = old[:, :, :n]
-            buf[:, :, n:n + t] = part
-            out.append(buf)
-        return tuple(out)
-
-    def unpack(codec, kb, vb, n, dtype):
-        k, v = cache_steps.decode_fn(codec, dtype)(*kb, *vb)
-        return k[:, :, :n], v[:, :, :n]
+    from kernel_models import model_launch, model_launch_copy, model_launch_inplace, model_unpack
 
     fused.reset()  # the codec's own kernels latch off on the stand-in (no CUDA): reset before and after
     monkeypatch.setattr(fused, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(fused, "_on_gpu", lambda: True)
-    monkeypatch.setattr(cache_append, "launch", launch)
-    monkeypatch.setattr(cache_append, "launch_copy", launch_copy)
-    monkeypatch.setattr(cache_fetch, "launch", unpack)
+    monkeypatch.setattr(cache_append, "launch", model_launch)
+    monkeypatch.setattr(cache_append, "launch_copy", model_launch_copy)
+    monkeypatch.setattr(cache_append, "launch_inplace", model_launch_inplace)
+    monkeypatch.setattr(cache_fetch, "launch", model_unpack)
     for mod in (cache_append, cache_fetch):
         monkeypatch.setattr(mod, "_verified", set())
         monkeypatch.setattr(mod, "_disabled", {})
     calls = {"append": 0, "fetch": 0}
-    orig_append, orig_copy, orig_fetch = cache_append.append, cache_append.append_copy, cache_fetch.fetch
 
-    def counted_append(*a, **kw):
-        out = orig_append(*a, **kw)
-        calls["append"] += out is not None
-        return out
+    def counted(f, kind):
+        def run(*a, **kw):
+            out = f(*a, **kw)
+            calls[kind] += out is not None
+            return out
+        return run
 
-    def counted_copy(*a, **kw):
-        out = orig_copy(*a, **kw)
-        calls["append"] += out is not None
-        return out
-
-    def counted_fetch(*a, **kw):
-        out = orig_fetch(*a, **kw)
-        calls["fetch"] += out is not None
-        return out
-
-    monkeypatch.setattr(cache_append, "append", counted_append)
-    monkeypatch.setattr(cache_append, "append_copy", counted_copy)
-    monkeypatch.setattr(cache_fetch, "fetch", counted_fetch)
+    for mod, name, kind in ((cache_append, "append", "append"), (cache_append, "append_copy", "append"),
+                            (cache_append, "append_inplace", "append"), (cache_fetch, "fetch", "fetch")):
+        monkeypatch.setattr(mod, name, counted(getattr(mod, name), kind))
     return calls
 
 

@@ -53,7 +53,7 @@ def _workload():
                                                  ((1, 1), 64, mx.float32, 2, 1, 0, "packed")]:
         c = RVQKVCache(bits, mode=mode, dense_window=window, flush_block=8)
         k = mx.array(rng.standard_normal((1, hkv, 300, d)).astype(np.float32)).astype(dtype)
-        c.update_and_fetch(k, k * 0.5)
+        c.update_and_fetch(k[:, :, :255], k[:, :, :255] * 0.5)  # 256 slots: in place, a copy growing, in place
         for t in range(3):
             kk, vv = c.update_and_fetch(k[:, :, t:t + 1], k[:, :, t + 1:t + 2])
             mx.eval(kk, vv)
@@ -80,15 +80,26 @@ def test_gpu_precompiled_kernels_equal_the_jit_kernels(monkeypatch, tmp_path):
     _workload()
     monkeypatch.setattr(kernel_cache.CudaKernel, "__call__", real)
     names = {k[0].rsplit("_", 1)[0] for k in calls}
-    for kind in ("rvq_encode", "rvq_decode", "rvq_append", "rvq_append_res", "rvq_append_copy", "rvq_unpack",
-                 "rvq_attend_attend", "rvq_attend_merge"):
+    for kind in ("rvq_encode", "rvq_decode", "rvq_append", "rvq_append_res", "rvq_append_copy",
+                 "rvq_append_inplace", "rvq_unpack", "rvq_attend_attend", "rvq_attend_merge"):
         assert any(n == kind or n.startswith(kind + "2") or n.startswith(kind + "1") for n in names), (kind, names)
     failed = []
     for (name, template, _), (kern, kw) in calls.items():
-        pre = kern(**kw)
-        assert kern.precompiled() > 0, f"{name} did not launch from a cached binary"
-        jit = kern.jit()(**kw)
-        mx.eval(pre, jit)
+        if "_inplace" in name:  # it writes into its inputs 8..13 (the buffers): each launch into copies, compared
+            ins = kw["inputs"]
+            bufs = [[(a.view(mx.uint32 if a.dtype.size == 4 else mx.uint16) | 0).view(a.dtype) for a in ins[8:14]]
+                    for _ in range(2)]
+            mx.eval(bufs)
+            done_pre = kern(**dict(kw, inputs=ins[:8] + bufs[0]))
+            assert kern.precompiled() > 0, f"{name} did not launch from a cached binary"
+            done_jit = kern.jit()(**dict(kw, inputs=ins[:8] + bufs[1]))
+            mx.eval(done_pre, done_jit)
+            pre, jit = done_pre + bufs[0], done_jit + bufs[1]
+        else:
+            pre = kern(**kw)
+            assert kern.precompiled() > 0, f"{name} did not launch from a cached binary"
+            jit = kern.jit()(**kw)
+            mx.eval(pre, jit)
         if "_copy" in name:  # whole new buffers: only the first n + t tokens are written (the rest is capacity)
             rows = int(kw["inputs"][7][0].item()) + int(kw["inputs"][6][1].item())  # cnt = [n]; params [nk, t, ..]
             pre, jit = [a[:, :, :rows] for a in pre], [a[:, :, :rows] for a in jit]

@@ -11,8 +11,11 @@ weights or on what the cache holds, so caches are filled with random keys/values
 blocks of 4,096 tokens through ``update_and_fetch``) to each context.
 
 Method: every arm is warmed up (compiles, first-use checks), then rounds interleave the arms; in a
-round an arm runs ``--steps`` single-token steps (each evaluated), then trims back, so the context
-stays put; medians over all steps. Peak memory: the arm's cache bytes (allocated capacity) plus what
+round an arm runs ``--steps`` single-token steps (each evaluated), then ``--stream-tokens`` through
+mlx-lm's loop; medians over all steps. The caches keep growing (by under 256 tokens over a run: no
+buffer grows inside the timed steps) as in a real generation; ``--trim-back`` trims them back after
+each round instead (a packed cache then copies its buffers once after every trim before it writes in
+place again: what a trimming user sees, not a steady decode). Peak memory: the arm's cache bytes (allocated capacity) plus what
 its steps allocate on top (``mx.get_peak_memory()`` during the steps minus the memory active before
 them); the model's weights are left out. Resume (``--resume``): the arm's caches saved to a file (``.rvq`` for RVQ arms,
 mlx-lm's safetensors prompt cache for ``kv``), then load + one token evaluated, median of
@@ -114,16 +117,17 @@ def step(model, caches, token):
     return int(y.item())
 
 
-def stream(model, caches, token, n):
+def stream(model, caches, token, n, trim_back=False):
     """Milliseconds per token as mlx-lm's own ``generate_step`` streams them: it builds step t+1 while the
-    device runs step t (``mx.async_eval``), so host work hides behind device work. The caches are trimmed
-    back afterwards; the first gap (it holds the prompt step) is left out."""
+    device runs step t (``mx.async_eval``), so host work hides behind device work (``trim_back``: the
+    caches trimmed back afterwards); the first gap (it holds the prompt step) is left out."""
     from mlx_lm.generate import generate_step
 
     before = caches[0].offset
     marks = [time.perf_counter() for _ in generate_step(mx.array([token], dtype=mx.int32), model,
                                                         max_tokens=n + 1, prompt_cache=caches)]
-    trim(caches, caches[0].offset - before)
+    if trim_back:
+        trim(caches, caches[0].offset - before)
     return [(b - a) * 1e3 for a, b in zip(marks[1:], marks[2:])]
 
 
@@ -164,10 +168,11 @@ def run_context(a, model, n, arms, dtype):
             fill(cs, n, kv_heads, head_dim, dtype)
             step(model, cs, 1)  # warm-up: compiles, kernel first-use checks
             step(model, cs, 2)
-            trim(cs, 2)
+            if a.trim_back:
+                trim(cs, 2)
             caches[arm] = cs
             if a.stream_tokens:
-                stream(model, cs, 2, 4)  # warm-up of mlx-lm's loop
+                stream(model, cs, 2, 4, a.trim_back)  # warm-up of mlx-lm's loop
             rows[arm] = {"step_ms": [], "cpu_ms": [], "stream_ms": [], "peak_bytes": 0,
                          "cache_nbytes": int(sum(getattr(c, "nbytes", 0) for c in cs))}
         except Exception as e:  # e.g. QuantizedKVCache on CUDA: no quantized_matmul for this shape
@@ -192,9 +197,10 @@ def run_context(a, model, n, arms, dtype):
             # this arm's cache plus what its steps allocate on top of everything already held
             transient = mx.get_peak_memory() - before
             rows[arm]["peak_bytes"] = max(rows[arm]["peak_bytes"], rows[arm]["cache_nbytes"] + transient)
-            trim(cs, a.steps)
+            if a.trim_back:
+                trim(cs, a.steps)
             if a.stream_tokens:
-                rows[arm]["stream_ms"] += stream(model, cs, tok % 1000, a.stream_tokens)
+                rows[arm]["stream_ms"] += stream(model, cs, tok % 1000, a.stream_tokens, a.trim_back)
     for arm in live:
         if rows[arm]["stream_ms"]:
             rows[arm]["stream_median_ms"] = statistics.median(rows[arm]["stream_ms"])
@@ -284,6 +290,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--stream-tokens", type=int, default=8,
                     help="tokens per round through mlx-lm's generate_step (0: leave the stream measure out)")
+    ap.add_argument("--trim-back", action="store_true", help="trim the caches back after every round")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--resume-rounds", type=int, default=3)
     ap.add_argument("--tmp", default=None)

@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
+#   steps: inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -26,6 +26,11 @@ step() {  # step NAME LIMIT_S CMD...: the command's output, status and seconds a
 
 for s in "$@"; do
   case $s in
+    inplace) RVQ_ATTN_PARITY_REPORT=$OUT/parity-inplace.txt step inplace 300 \
+        $py -m pytest -q -rfE -p no:cacheprovider tests/test_cache_inplace_gpu.py tests/test_cache_append_gpu.py ;;
+    gen-noinplace) step gen-noinplace 240 env RVQSTORE_INPLACE=0 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-4+2 --steps 4 --rounds 3 --contexts 1024,8192,32768 --kernel mma \
+        --json "$OUT/gen-noinplace.json" --md "$OUT/gen-noinplace.md" ;;
     parity-mma) RVQ_ATTN_PARITY_REPORT=$OUT/parity-mma.txt step parity-mma 240 \
         $py -m pytest -q -rfE -p no:cacheprovider tests/test_attention_mma_gpu.py ;;
     parity-simt) RVQ_ATTN_PARITY_REPORT=$OUT/parity-simt.txt step parity-simt 240 \

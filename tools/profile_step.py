@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from tools.bench_generation import add_geometry_args, build_model, fill, geometry, make_caches, trim  # noqa: E402
+from tools.bench_generation import add_geometry_args, build_model, fill, geometry, make_caches  # noqa: E402
 
 
 def primitives(arrays) -> collections.Counter:
@@ -138,7 +138,6 @@ def time_arm(model, caches, steps: int, tok0: int) -> dict:
         build.append((t1 - t0) * 1e3)
         ev.append((t2 - t1) * 1e3)
         total.append((t2 - t0) * 1e3)
-    trim(caches, steps)
     return {"build_ms": build, "eval_ms": ev, "total_ms": total}
 
 
@@ -197,7 +196,6 @@ def main(argv=None) -> int:
         logits = model(mx.array([[7]], dtype=mx.int32), cache=caches[arm])
         prims = primitives([logits])
         mx.eval(logits)
-        trim(caches[arm], 1)
         row = {k: round(statistics.median(v), 3) for k, v in res[arm].items()}
         row["build_parts_ms_per_step"] = {k: round(v, 3) for k, v in parts[arm].items()}
         row["primitives"] = sum(prims.values())
@@ -215,7 +213,6 @@ def main(argv=None) -> int:
                 logits = model(mx.array([[5 + i]], dtype=mx.int32), cache=caches[arm])
                 pr.disable()
                 mx.eval(logits)
-                trim(caches[arm], 1)
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
             print(f"==== cProfile of 20 step builds, {arm} (tottime) ====\n" + s.getvalue()[:6000], flush=True)

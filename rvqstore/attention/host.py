@@ -177,6 +177,7 @@ def _inputs(view: CodesView, queries: mx.array, mask, sinks, two: dict) -> dict:
     code stream (scales as their bfloat16 bit patterns), the window, the grouped mask, the sinks."""
     b, hq, l, _ = queries.shape
     hkv, n = view.n_kv_heads, view.n_coded
+    view.settle()  # MLX ops read the buffers below
     lazy = {"q": queries.astype(mx.float32)}
     if n:
         for side, (s, c1, c2) in (("k", view.key_buffers), ("v", view.value_buffers)):

@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import fused, kernel_cache
 from . import kernel_mma, masks, ops
-from .launch_args import THREADS, decode_table, prepared, shared_count, split_plan
+from .launch_args import THREADS, decode_table, prepared, split_plan
 from .launch_args import static_params as _static
 from .view import CodesView
 
@@ -259,7 +259,7 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: 
     p = _launch_plan(view, ks.shape[-1], b * hkv, h * l // hkv, dk, n_queries, causal, scale, q.dtype)
     if dialect == "metal":  # Metal reads the norms as their uint16 bits; CUDA reinterprets the bfloat16
         ks, vs = ks.view(mx.uint16), vs.view(mx.uint16)
-    inputs = [q, p.qsg, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.tab, shared_count(view.n_coded),
+    inputs = [q, p.qsg, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.tab, view.count_array(),
               p.params]
     if dialect == "metal":
         out = _kernel(dialect)(inputs=inputs, template=p.template, grid=p.grid, threadgroup=_THREADGROUP,

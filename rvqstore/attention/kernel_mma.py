@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import fused, kernel_cache
-from .launch_args import THREADS, decode_table, prepared, shared_count, split_plan, static_params
+from .launch_args import THREADS, decode_table, prepared, split_plan, static_params
 from .view import CodesView
 
 #: route eligible CUDA calls here (False: the SIMT kernel serves them). On unless RVQSTORE_TENSOR_CORES=0: its
@@ -160,7 +160,7 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: fl
     vs, v1, v2 = view.value_buffers
     p = _plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, n_queries, causal, scale)
     inputs = [q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut,
-              shared_count(view.n_coded), p.params]
+              view.count_array(), p.params]
     if p.run is None:
         p.run = prepared(_kernel(), p.template, inputs, _F32_2)
     out = p.run(inputs, p.shapes, p.grid, _THREADGROUP)

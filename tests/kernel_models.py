@@ -1,0 +1,54 @@
+"""MLX-ops models of the cache's CUDA-only launches (rvqstore.cache_append, rvqstore.cache_fetch): with a
+CUDA device pretended, tests swap them in to check the caches' bookkeeping around the kernels on any
+backend. Each computes what its kernel computes, with the codec's own encode and decode."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from rvqstore import cache_steps
+
+
+def model_launch(codec, keys, values, resident=False):
+    """What the append kernel computes, with the codec's MLX-ops encode (and decode)."""
+    b = keys.shape[0]
+    enc = codec.encode(mx.concatenate([keys, values]), check_finite=False)
+    out = (enc.scales[:b], enc.codes1[:b], enc.codes2[:b], enc.scales[b:], enc.codes1[b:], enc.codes2[b:])
+    if resident:
+        dec = codec.decode(enc)
+        out += (dec[:b], dec[b:])
+    return out
+
+
+def model_launch_copy(codec, keys, values, key_buffers, value_buffers, n, cap, count=None):
+    """The copy append: new buffers of ``cap`` tokens holding the old first ``n`` and then the new ones."""
+    new = model_launch(codec, keys, values)
+    t = keys.shape[2]
+    out = []
+    for old, fresh in zip((*key_buffers, *value_buffers), new):
+        buf = mx.zeros(old.shape[:2] + (cap,) + old.shape[3:], old.dtype)
+        buf[:, :, :n] = old[:, :, :n]
+        buf[:, :, n:n + t] = fresh
+        out.append(buf)
+    return tuple(out)
+
+
+def writable(a):
+    """A numpy view of an evaluated array's own memory (CPU): where a kernel writing in place writes."""
+    mx.eval(a)
+    return np.frombuffer(memoryview(a).cast("B"), dtype=np.uint16 if a.dtype == mx.bfloat16 else np.uint32
+                         ).reshape(a.shape)
+
+
+def model_launch_inplace(codec, keys, values, key_buffers, value_buffers, count):
+    """The in-place append: the new tokens' codes written into the buffers' memory at [n, n + t)."""
+    n, t = int(count[0].item()), keys.shape[2]
+    for buf, fresh in zip((*key_buffers, *value_buffers), model_launch(codec, keys, values)):
+        writable(buf)[:, :, n:n + t] = np.asarray(fresh.view(mx.uint16) if fresh.dtype == mx.bfloat16 else fresh)
+    return mx.array([n + t], dtype=mx.uint32)
+
+
+def model_unpack(codec, key_buffers, value_buffers, n, dtype, count=None):
+    k, v = cache_steps.decode_fn(codec, dtype)(*key_buffers, *value_buffers)
+    return k[:, :, :n], v[:, :, :n]
