@@ -28,7 +28,9 @@ commit) its packed and resident arms step beside this tree's, so a before/after 
 
 Each round: ``--steps`` one-token steps over ``--layers`` layers (8 KV heads, 32 query heads, head dim
 128, float16, batch 1, no mask: mlx-lm's single-token call) at ``--context`` tokens, then a trim back
-and an evaluation of the caches' state outside the timing. Round 0 is a warm-up (setups, first uses).
+and an evaluation of the caches' state outside the timing (``--no-trim``: no trim, the caches keep
+growing as in a steady decode; a packed cache copies its buffers once after a trim before it writes in
+place again). Round 0 is a warm-up (setups, first uses).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def load_as(name: str, tree: Path):
 
 
 class Outputs:
-    """Preallocated (evaluated) arrays per output signature: what the stand-in kernels hand back."""
+    """Arrays per output signature, made once: what the stand-in kernels hand back."""
 
     def __init__(self):
         self.made: dict = {}
@@ -83,8 +85,10 @@ class Outputs:
         key = (tuple(map(tuple, shapes)), dtypes[-1])
         out = self.made.get(key)
         if out is None:
+            if len(self.made) > 256:  # with --no-trim the unpack's shape grows every step
+                self.made.clear()
+            # lazy: an output nothing reads is never evaluated (the unpack's, here); the others are, once
             out = self.made[key] = [mx.zeros(s, d) for s, d in zip(key[0], dtypes)]
-            mx.eval(out)
         return out
 
 
@@ -190,7 +194,7 @@ def settle(caches, n_steps: int) -> None:
 
 
 def run(packages: dict, layers: int, context: int, rounds: int, n_steps: int, profile: str | None,
-        attention_launches: bool = False) -> dict:
+        attention_launches: bool = False, trim_back: bool = True) -> dict:
     rng = np.random.default_rng(1)
     steps = [(mx.array(rng.standard_normal((1, HQ, 1, D)).astype(np.float16)), kv(rng, 1), kv(rng, 1))
              for _ in range(n_steps)]
@@ -216,7 +220,7 @@ def run(packages: dict, layers: int, context: int, rounds: int, n_steps: int, pr
                 else:
                     step(caches, attend, steps, i, scale, tu, ta)
         for name in names:
-            settle(arms[name][0], n_steps)
+            settle(arms[name][0], n_steps if trim_back else 0)
     for pkg in packages.values():  # every launch served (none latched off on the stand-ins)
         for mod in ("cache_append", "cache_fetch", "attention.kernel"):
             off = sys.modules[f"{pkg.__name__}.{mod}"].disabled()
@@ -262,6 +266,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-launches", action="store_true",
                     help="stub the attention kernel at MLX's precompiled launch (its launch code timed) instead "
                          "of at kernel.launch/merge")
+    ap.add_argument("--no-trim", action="store_true",
+                    help="keep the caches growing (a steady decode) instead of trimming back after each round")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     mx.set_default_device(mx.cpu)
@@ -269,9 +275,10 @@ def main(argv=None) -> int:
     if a.against is not None:
         packages["before"] = load_as("rvqstore_against", a.against.resolve())
     packages["this"] = rvqstore
-    res = run(packages, a.layers, a.context, a.rounds, a.steps, a.profile, a.attention_launches)
+    res = run(packages, a.layers, a.context, a.rounds, a.steps, a.profile, a.attention_launches, not a.no_trim)
     prof = res.pop("profile", None)
     result = {"context": a.context, "layers": a.layers, "rounds": a.rounds, "steps_per_round": a.steps,
+              "trimmed_back": not a.no_trim,
               "against": None if a.against is None else str(a.against), "stub_us": round(stub_cost(), 3),
               "attention_stubbed_at": "precompiled launch" if a.attention_launches else "kernel.launch/merge",
               "arms": res}
@@ -280,7 +287,7 @@ def main(argv=None) -> int:
         print(prof)
     if a.json:  # one entry per context: runs at other contexts already in the file are kept
         runs = json.loads(a.json.read_text()).get("runs", {}) if a.json.exists() else {}
-        runs[f"{a.context}{'-attention-launches' if a.attention_launches else ''}"] = result
+        runs[f"{a.context}{'-attention-launches' if a.attention_launches else ''}{'-steady' if a.no_trim else ''}"] = result
         a.json.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     return 0
 
