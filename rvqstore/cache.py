@@ -83,7 +83,7 @@ class _Stream:
     first; ``n`` counts staged tokens). Resident caches stage: their attention reads the decoded
     copy, so a decode step's six small buffer updates become one per :attr:`block` steps.
 
-    Packed caches on CUDA write a step's codes *in place* (:meth:`write_inplace`,
+    Packed caches on CUDA write a step's codes *in place* (:meth:`inplace_ok`, :meth:`wrote_inplace`,
     :func:`rvqstore.cache_append.launch_inplace`): the kernel writes into buffers MLX believes
     unchanged, so two rules keep that invisible. Readers are ordered after the writes through the
     count array the write returns (:meth:`live`: the kernels that read the buffers take it as their

@@ -104,7 +104,7 @@ class Packed(CodesOnly):
         launch, no slice updates, no copy); when they grow (or up to ``COPY_MAX_TOKENS``, where in place
         is refused) whole new buffers from the copy append; else the launch's codes written with static
         slices."""
-        k, v = cache._keys, cache._values
+        k = cache._keys
         if k.n and k.inplace_ok(keys.shape[2]) and self._inplace_append(cache, keys, values):
             return True
         if k.n and self._copy_append(cache, keys, values):

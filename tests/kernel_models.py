@@ -52,3 +52,31 @@ def model_launch_inplace(codec, keys, values, key_buffers, value_buffers, count)
 def model_unpack(codec, key_buffers, value_buffers, n, dtype, count=None):
     k, v = cache_steps.decode_fn(codec, dtype)(*key_buffers, *value_buffers)
     return k[:, :, :n], v[:, :, :n]
+
+
+def swap_launches(m, inplace=model_launch_inplace) -> None:
+    """With ``m`` (pytest's monkeypatch or one of its contexts): the cache's CUDA launches replaced by
+    their models (``inplace``: the in-place append's, or a wrapper of it) and fresh first-use state."""
+    from rvqstore import cache_append, cache_fetch
+
+    m.setattr(cache_append, "launch", model_launch)
+    m.setattr(cache_append, "launch_copy", model_launch_copy)
+    m.setattr(cache_append, "launch_inplace", inplace)
+    m.setattr(cache_fetch, "launch", model_unpack)
+    for mod in (cache_append, cache_fetch):
+        m.setattr(mod, "_verified", set())
+        m.setattr(mod, "_disabled", {})
+
+
+def pretend_cuda(m, inplace=model_launch_inplace) -> None:
+    """:func:`swap_launches`, on a CUDA device pretended, with the codec's own kernels and the attention
+    kernel declining (their MLX-ops paths run)."""
+    from rvqstore import fused
+    from rvqstore.attention import kernel
+
+    m.setattr(fused, "gpu_backend", lambda: "cuda")
+    m.setattr(fused, "_on_gpu", lambda: True)
+    m.setattr(fused, "quantize_pack", lambda *a: None)
+    m.setattr(fused, "unpack_dequantize", lambda *a: None)
+    m.setattr(kernel, "attend", lambda *a, **kw: None)
+    swap_launches(m, inplace)

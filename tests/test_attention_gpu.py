@@ -250,16 +250,11 @@ def test_gpu_kernel_variants_equal_the_model(monkeypatch, bits, d, hkv, g):
 @pytest.mark.gpu
 def test_gpu_greedy_random_model_matches_decode_then_sdpa():
     """48 greedy tokens of a random-weight llama (GQA 4, head dim 128, fp16) on the GPU: codes == SDPA."""
-    from mlx_lm.models import llama
+    from tiny_models import gpu_llama
 
     from rvqstore import make_prompt_cache
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=512, num_hidden_layers=4, intermediate_size=1024,
-                           num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-5,
-                           vocab_size=512, tie_word_embeddings=True)
-    mx.random.seed(0)
-    model = llama.Model(args)
-    model.set_dtype(mx.float16)
+    model = gpu_llama()
     prompt = mx.array(np.random.default_rng(0).integers(0, 512, (1, 200)))
 
     def run():

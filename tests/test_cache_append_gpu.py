@@ -16,8 +16,7 @@ import pytest
 from rvqstore import RVQCodec, RVQKVCache, cache_append, cache_fetch
 from rvqstore.codec import EncodedVectors
 
-from kernel_models import (model_launch, model_launch_copy, model_launch_inplace,  # noqa: E402
-                           model_unpack)
+from kernel_models import model_launch_inplace, pretend_cuda  # noqa: E402
 
 REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
 
@@ -131,12 +130,9 @@ def test_gpu_copy_append_equals_slice_updates(monkeypatch):
 # ---- on every backend: the caches' bookkeeping around the CUDA-only launches ------------------------------
 @pytest.mark.parametrize("mode", ["packed", "resident"])
 def test_kernel_paths_bookkeeping_matches_the_portable_path(monkeypatch, mode):
-    """With the three launches replaced by their MLX-ops models and a CUDA device pretended, a cache
-    (fused append, copy append across a capacity growth, staging, unpack, trims) holds exactly what the
+    """With the four launches replaced by their MLX-ops models and a CUDA device pretended, a cache
+    (fused append, in place, copy append across a capacity growth, staging, unpack, trims) holds exactly what the
     portable path holds: the buffer handling around the kernels is tested without a GPU."""
-    from rvqstore import fused
-    from rvqstore.attention import kernel
-
     rng = np.random.default_rng(11)
     k = mx.array(rng.standard_normal((1, 2, 300, 64)).astype(np.float32))
     v = mx.array(rng.standard_normal((1, 2, 300, 64)).astype(np.float32))
@@ -152,18 +148,7 @@ def test_kernel_paths_bookkeeping_matches_the_portable_path(monkeypatch, mode):
         return c, kk, vv
 
     with monkeypatch.context() as m:
-        m.setattr(fused, "gpu_backend", lambda: "cuda")
-        m.setattr(fused, "_on_gpu", lambda: True)
-        m.setattr(fused, "quantize_pack", lambda *a: None)  # the codec's own kernels stay off
-        m.setattr(fused, "unpack_dequantize", lambda *a: None)
-        m.setattr(kernel, "attend", lambda *a, **kw: None)
-        m.setattr(cache_append, "launch", model_launch)
-        m.setattr(cache_append, "launch_copy", model_launch_copy)
-        m.setattr(cache_append, "launch_inplace", model_launch_inplace)
-        m.setattr(cache_fetch, "launch", model_unpack)
-        for mod in (cache_append, cache_fetch):
-            m.setattr(mod, "_verified", set())
-            m.setattr(mod, "_disabled", {})
+        pretend_cuda(m)
         fast, fk, fv = run()
         served, unpacked = set(cache_append._verified), set(cache_fetch._verified)
         assert not cache_append._disabled and not cache_fetch._disabled
@@ -187,9 +172,6 @@ def test_inplace_writes_never_reach_what_was_handed_out(monkeypatch):
     values), and arrays
     that came from outside (a loaded state) are never written in place. Bookkeeping only, on every
     backend (the in-place launch replaced by its model, a CUDA device pretended)."""
-    from rvqstore import fused
-    from rvqstore.attention import kernel
-
     rng = np.random.default_rng(5)
     k = mx.array(rng.standard_normal((1, 2, 120, 64)).astype(np.float32))
     v = mx.array(rng.standard_normal((1, 2, 120, 64)).astype(np.float32))
@@ -200,19 +182,8 @@ def test_inplace_writes_never_reach_what_was_handed_out(monkeypatch):
         return model_launch_inplace(*a)
 
     with monkeypatch.context() as m:
-        m.setattr(fused, "gpu_backend", lambda: "cuda")
-        m.setattr(fused, "_on_gpu", lambda: True)
-        m.setattr(fused, "quantize_pack", lambda *a: None)
-        m.setattr(fused, "unpack_dequantize", lambda *a: None)
-        m.setattr(kernel, "attend", lambda *a, **kw: None)
-        m.setattr(cache_append, "launch", model_launch)
-        m.setattr(cache_append, "launch_copy", model_launch_copy)
-        m.setattr(cache_append, "launch_inplace", counted)
-        m.setattr(cache_fetch, "launch", model_unpack)
+        pretend_cuda(m, counted)
         m.setattr(cache_append, "COPY_MAX_TOKENS", 0)  # in place or slice updates, no copies
-        for mod in (cache_append, cache_fetch):
-            m.setattr(mod, "_verified", set())
-            m.setattr(mod, "_disabled", {})
         c = RVQKVCache((2, 2))
         c.update_and_fetch(k[:, :, :40], v[:, :, :40])
         for i in range(40, 60):

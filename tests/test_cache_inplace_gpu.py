@@ -111,16 +111,11 @@ def test_gpu_greedy_random_model_inplace_matches_slice_updates(monkeypatch):
     """40 greedy tokens of a random-weight llama (fp16, GQA 4, head dim 128) through mlx-lm's own loop
     (``generate_step``: each step built while the last one runs): token-identical either way."""
     from mlx_lm.generate import generate_step
-    from mlx_lm.models import llama
+    from tiny_models import gpu_llama
 
     from rvqstore import make_prompt_cache
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=512, num_hidden_layers=4, intermediate_size=1024,
-                           num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-5,
-                           vocab_size=512, tie_word_embeddings=True)
-    mx.random.seed(0)
-    model = llama.Model(args)
-    model.set_dtype(mx.float16)
+    model = gpu_llama()
     prompt = mx.array(np.random.default_rng(1).integers(0, 512, 250))
 
     def run():

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from rvqstore import RVQCodec, RVQKVCache, cache_append, cache_fetch, cache_steps, fused
+from rvqstore import RVQCodec, RVQKVCache, cache_append, cache_fetch, fused
 from rvqstore.attention import hook
 from rvqstore.errors import CodecConfigError, InputShapeError, InvalidArgumentError
 
@@ -379,18 +379,12 @@ def _stand_in_kernels(monkeypatch):
     """The fused append / unpack launches replaced by MLX-ops models of what they compute, on a
     stand-in CUDA device: the cache's wiring around them (mean subtracted before the append, added to
     the unpack's output and the resident copy) is what is tested."""
-    from kernel_models import model_launch, model_launch_copy, model_launch_inplace, model_unpack
+    from kernel_models import swap_launches
 
     fused.reset()  # the codec's own kernels latch off on the stand-in (no CUDA): reset before and after
     monkeypatch.setattr(fused, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(fused, "_on_gpu", lambda: True)
-    monkeypatch.setattr(cache_append, "launch", model_launch)
-    monkeypatch.setattr(cache_append, "launch_copy", model_launch_copy)
-    monkeypatch.setattr(cache_append, "launch_inplace", model_launch_inplace)
-    monkeypatch.setattr(cache_fetch, "launch", model_unpack)
-    for mod in (cache_append, cache_fetch):
-        monkeypatch.setattr(mod, "_verified", set())
-        monkeypatch.setattr(mod, "_disabled", {})
+    swap_launches(monkeypatch)
     calls = {"append": 0, "fetch": 0}
 
     def counted(f, kind):

@@ -59,6 +59,21 @@ def build(arch: str, seed: int = 0):
     return model, cfg
 
 
+def gpu_llama(seed: int = 0):
+    """A random-weight float16 llama whose attention the GPU kernels take (GQA 4, head dim 128, 4 layers,
+    vocab 512): the model of the GPU generation tests."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=512, num_hidden_layers=4, intermediate_size=1024,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-5,
+                           vocab_size=512, tie_word_embeddings=True)
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    model.set_dtype(mx.float16)
+    return model
+
+
 def write_model_folder(arch: str, folder, seed: int = 0):
     """An mlx-lm model folder (config.json, safetensors, tokenizer) of a random-weight ``arch`` model,
     written with mlx-lm's own save utilities; its tokenizer maps each lowercase letter, digit and space
