@@ -453,7 +453,7 @@ class CudaKernel:
                 if out is not None and _TRACING in str(err):  # inside mx.compile: evaluated later, by the caller
                     return out
                 log.warning("kernel cache: precompiled %s failed (%s: %s); MLX compiles it instead",
-                            self.name, type(err).__name__, str(err)[:300])
+                            self.name, type(err).__name__, _brief(str(err)))
                 with _lock:
                     self._entries[key] = None
         stats["jit_launches"] += 1
@@ -509,6 +509,11 @@ class PreparedLaunch:
 
 
 _MISSING = object()
+
+
+def _brief(msg: str, head: int = 200, tail: int = 400) -> str:
+    """A long error message's start and end (nanobind's argument errors name the types passed at the end)."""
+    return msg if len(msg) <= head + tail else f"{msg[:head]} ... {msg[-tail:]}"
 
 
 def cuda_kernel(name: str, input_names: list[str], output_names: list[str], source: str, header: str = "",
