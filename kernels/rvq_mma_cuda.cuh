@@ -2,6 +2,7 @@
 // Included after rvq_prelude_cuda.cuh by that kernel only.
 #define RVQ_EXP2(x) rvq_ex2(x)
 #define RVQ_PRMT(a, b, s) __byte_perm((a), (b), (s))
+#define RVQ_NOUNROLL _Pragma("unroll 1")
 RVQ_FN float rvq_ex2(float x) {  // 2^x (ex2.approx: 2 ulp; 2^-inf = +0)
   float y;
   asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -81,4 +82,29 @@ RVQ_FN unsigned long long rvq_clock() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+// a const input the kernel writes (the fused merge's counters: MLX passes every input as const)
+template <typename T>
+RVQ_FN T* rvq_mut(const T* p) {
+  return const_cast<T*>(p);
+}
+// x (R rows of D floats, shared) <- each row times H (Sylvester; D a power of two), by all 128 threads; one copy
+// of the loop (the binary stays small), shifts for the butterflies' indices
+template <int R, int D>
+RVQ_FN void rvq_hadamard_rows(float* x, uint lid) {
+  RVQ_NOUNROLL
+  for (uint lg = 0u; (1u << lg) < uint(D); ++lg) {
+    const uint h = 1u << lg;
+    RVQ_NOUNROLL
+    for (uint i = lid; i < uint(R * D / 2); i += 128u) {
+      const uint r = i / uint(D / 2);
+      const uint k = i - r * uint(D / 2);
+      const uint a = r * uint(D) + ((k >> lg) << (lg + 1u)) + (k & (h - 1u));
+      const float u = x[a];
+      const float v = x[a + h];
+      x[a] = u + v;
+      x[a + h] = u - v;
+    }
+    RVQ_BARRIER();
+  }
 }

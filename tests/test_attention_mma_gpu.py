@@ -28,8 +28,9 @@ REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
 
 @pytest.fixture(autouse=True)
 def tensor_cores_on(monkeypatch):
-    """This kernel's tests run it whatever the environment says."""
+    """This kernel's tests run it whatever the environment says (the merge fused into it, as by default)."""
     monkeypatch.setattr(kernel_mma, "TENSOR_CORES", True)
+    monkeypatch.setattr(kernel_mma, "FUSED_MERGE", True)
 
 
 @pytest.fixture
@@ -145,6 +146,25 @@ def test_the_strided_split_model_merges_to_the_same_attention(n, L, cpu_device):
     assert o.shape[1] == kernel.split_plan(int(view.key_buffers[0].shape[-1]), hkv, kernel_mma.TARGET_GROUPS)[1]
 
 
+def test_the_fused_merges_counter_ring(monkeypatch):
+    """Each launch of the fused merge takes the next zeroed slot of its stream's ring, for its heads count; the
+    ring is at least 8 graphs of MLX's (MLX_MAX_OPS_PER_BUFFER nodes) long, so no two launches that can run at
+    once share a slot."""
+    monkeypatch.setattr(kernel_mma, "_rings", [])
+    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "200")
+    n = kernel_mma._ring_size()
+    assert n == max(kernel_mma.RING_SLOTS, 1600)
+    first = [kernel_mma._sem_slot(8) for _ in range(n)]
+    assert all(s.shape == (8,) and s.dtype == mx.uint32 and not bool(s.any()) for s in first[:3] + first[-3:])
+    assert len({id(s) for s in first}) == n  # n distinct slots, then the ring starts again
+    assert kernel_mma._sem_slot(8) is first[0] and kernel_mma._sem_slot(8) is first[1]
+    other = kernel_mma._sem_slot(2)  # another heads count: its own ring
+    assert other.shape == (2,) and other is not first[2] and kernel_mma._sem_slot(8) is first[2]
+    with mx.stream(mx.new_stream(mx.default_device())):  # another stream: its own ring
+        assert kernel_mma._sem_slot(8) is not first[3]
+    assert kernel_mma._sem_slot(8) is first[3]
+
+
 # ---- on the GPU ------------------------------------------------------------------------------------------
 MMA_CASES = [
     # (bits, residual, d, hkv, group, L, n, b, window)
@@ -193,13 +213,65 @@ def test_gpu_tensor_core_kernel_parity(case, monkeypatch):
     assert ok, (err_o, err_l, err_m, same_inf)
     # the whole call (tensor-core kernel + merge kernel or combine) vs decode-then-SDPA, fp16
     calls = []
-    real = kernel_mma.launch
-    monkeypatch.setattr(kernel_mma, "launch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real, real_fused = kernel_mma.launch, kernel_mma.launch_fused
+    monkeypatch.setattr(kernel_mma, "launch", lambda *a, **kw: calls.append("split") or real(*a, **kw))
+    monkeypatch.setattr(kernel_mma, "launch_fused", lambda *a, **kw: calls.append("fused") or real_fused(*a, **kw))
     mask = "causal" if L > 1 else None
     got = c.attend_on_codes(q, scale=scale, mask=mask)
     ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=scale, mask=mask)
     err = float(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max())
     bound = 4 * 2.0 ** -11 * float(mx.abs(V.astype(mx.float32)).max())
     _record("mma-attend-fp16-vs-sdpa", err <= bound and bool(calls),
-            f"{case} max_abs_err={err:.2e} bound={bound:.2e}")
-    assert calls and err <= bound and not kernel.disabled()
+            f"{case} {'+'.join(calls)} max_abs_err={err:.2e} bound={bound:.2e}")
+    assert calls == ["split" if window else "fused"] and err <= bound and not kernel.disabled()
+
+
+FUSED_CASES = [c for c in MMA_CASES if not c[8]]  # no window: the calls the fused merge serves
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"{c[0][0]}+{c[0][1]}-d{c[2]}-h{c[3]}g{c[4]}-L{c[5]}"
+                         f"-n{c[6]}-b{c[7]}")
+def test_gpu_fused_merge_equals_split_then_merge(case):
+    """One launch (split kernel, merge by its last threadgroup per head) against the split kernel + the merge
+    kernel: the same sums but one (the denominator, summed across lanes instead of in split order), so they
+    agree to a unit of fp16 rounding of the output; and run again (the counters were left at zero), the fused
+    call gives the same bits."""
+    bits, residual, d, hkv, g, L, n, b, _ = case
+    c, K, V = _cache(bits, hkv, n, d, b=b, residual=residual, seed=n + 1)
+    view = c.codes_view()
+    q = mx.array(np.random.default_rng(n).standard_normal((b, hkv * g, L, d)).astype(np.float32)).astype(mx.float16)
+    scale, causal = d ** -0.5, L > 1
+    vsg = kernel._folded_signs(view.value_codec, 1.0 / d)
+    fused_out = kernel_mma.launch_fused(view, q, L, causal, scale, vsg)
+    o, ml = kernel_mma.launch(view, q, L, causal, scale)
+    two = kernel.merge(view, o, ml, (b, hkv * g, L, d), mx.float16, "cuda")
+    again = kernel_mma.launch_fused(view, q, L, causal, scale, vsg)
+    mx.eval(fused_out, two, again)
+    diff = float(mx.abs(fused_out.astype(mx.float32) - two.astype(mx.float32)).max())
+    unit = 2.0 ** -10 * float(mx.abs(two.astype(mx.float32)).max())
+    same = bool(mx.array_equal(fused_out, again))
+    _record("mma-fused-merge", diff <= unit and same, f"{case} max_abs_diff={diff:.2e} unit={unit:.2e} "
+            f"repeat_identical={same}")
+    assert diff <= unit and same
+
+
+@pytest.mark.gpu
+def test_gpu_fused_merge_many_calls_at_once():
+    """300 independent calls built first and evaluated together (MLX runs the kernels of a CUDA graph at once
+    where nothing orders them): each equals the same call evaluated alone, bit for bit -- no two launches in
+    flight shared a counter, and every counter was back at zero for the next."""
+    c, _, _ = _cache((2, 2), 8, 3000, 128, seed=5)
+    view = c.codes_view()
+    vsg = kernel._folded_signs(view.value_codec, 1.0 / 128)
+    qs = [mx.array(np.random.default_rng(i).standard_normal((1, 32, 1, 128)).astype(np.float32)).astype(mx.float16)
+          for i in range(6)]
+    alone = []
+    for q in qs:
+        alone.append(kernel_mma.launch_fused(view, q, 1, False, 0.088, vsg))
+        mx.eval(alone[-1])
+    outs = [kernel_mma.launch_fused(view, qs[i % 6], 1, False, 0.088, vsg) for i in range(300)]
+    mx.eval(outs)
+    bad = sum(not bool(mx.array_equal(o, alone[i % 6])) for i, o in enumerate(outs))
+    _record("mma-fused-merge-concurrent", bad == 0, f"300 calls at once, {bad} differ from the call alone")
+    assert bad == 0

@@ -2,7 +2,9 @@
 
 Arms (each a cache per layer): ``kv`` (mlx-lm KVCache, the model's dtype), ``q4`` (mlx-lm
 QuantizedKVCache, 4-bit, group 64; recorded as failing where the backend lacks it), ``packed-2+2``,
-``packed-4+2`` (RVQKVCache packed: attention on the codes), ``resident-2+2``, ``resident-4+2``.
+``packed-4+2`` (RVQKVCache packed: attention on the codes), ``resident-2+2``, ``resident-4+2``; ``ARM@VARIANT``
+(e.g. ``packed-2+2@nofuse``): that arm with its steps run under an attention-kernel variant of
+tools/kernel_variants.py, for same-run comparisons (no resume for those).
 
 Model: ``--model smollm2`` (the bundled SmolLM2-135M, float32 on CPU) or ``--model random`` (an
 mlx-lm llama of the geometry flags, random weights, ``--dtype``; default Llama-3-8B: 32 layers,
@@ -28,6 +30,7 @@ mlx-lm's safetensors prompt cache for ``kv``), then load + one token evaluated, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -85,10 +88,29 @@ def geometry(model):
     return len(model.layers), layer.n_kv_heads, model.args.head_dim or model.args.hidden_size // model.args.num_attention_heads
 
 
+@contextlib.contextmanager
+def variant(arm):
+    """An arm ``name@variant`` runs its steps under that attention-kernel variant (tools/kernel_variants.py): a
+    same-run comparison of kernel settings; a plain arm runs under the modules' settings."""
+    name = arm.partition("@")[2]
+    if not name:
+        yield
+        return
+    import kernel_variants
+
+    old = kernel_variants.apply(name)
+    try:
+        yield
+    finally:
+        kernel_variants.restore(old)
+
+
 def make_caches(arm, n_layers):
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     from rvqstore import RVQKVCache
+
+    arm = arm.partition("@")[0]
 
     if arm == "kv":
         return [KVCache() for _ in range(n_layers)]
@@ -166,13 +188,14 @@ def run_context(a, model, n, arms, dtype):
         try:
             cs = make_caches(arm, n_layers)
             fill(cs, n, kv_heads, head_dim, dtype)
-            step(model, cs, 1)  # warm-up: compiles, kernel first-use checks
-            step(model, cs, 2)
-            if a.trim_back:
-                trim(cs, 2)
-            caches[arm] = cs
-            if a.stream_tokens:
-                stream(model, cs, 2, 4, a.trim_back)  # warm-up of mlx-lm's loop
+            with variant(arm):
+                step(model, cs, 1)  # warm-up: compiles, kernel first-use checks
+                step(model, cs, 2)
+                if a.trim_back:
+                    trim(cs, 2)
+                caches[arm] = cs
+                if a.stream_tokens:
+                    stream(model, cs, 2, 4, a.trim_back)  # warm-up of mlx-lm's loop
             rows[arm] = {"step_ms": [], "cpu_ms": [], "stream_ms": [], "peak_bytes": 0,
                          "cache_nbytes": int(sum(getattr(c, "nbytes", 0) for c in cs))}
         except Exception as e:  # e.g. QuantizedKVCache on CUDA: no quantized_matmul for this shape
@@ -187,20 +210,21 @@ def run_context(a, model, n, arms, dtype):
             mx.reset_peak_memory()
             before = mx.get_active_memory()
             tok = 3 + r
-            for _ in range(a.steps):
-                mx.synchronize()
-                t0, c0 = time.perf_counter(), time.process_time()
-                tok = step(model, cs, tok % 1000)
-                mx.synchronize()
-                rows[arm]["step_ms"].append((time.perf_counter() - t0) * 1e3)
-                rows[arm]["cpu_ms"].append((time.process_time() - c0) * 1e3)
-            # this arm's cache plus what its steps allocate on top of everything already held
-            transient = mx.get_peak_memory() - before
-            rows[arm]["peak_bytes"] = max(rows[arm]["peak_bytes"], rows[arm]["cache_nbytes"] + transient)
-            if a.trim_back:
-                trim(cs, a.steps)
-            if a.stream_tokens:
-                rows[arm]["stream_ms"] += stream(model, cs, tok % 1000, a.stream_tokens, a.trim_back)
+            with variant(arm):
+                for _ in range(a.steps):
+                    mx.synchronize()
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    tok = step(model, cs, tok % 1000)
+                    mx.synchronize()
+                    rows[arm]["step_ms"].append((time.perf_counter() - t0) * 1e3)
+                    rows[arm]["cpu_ms"].append((time.process_time() - c0) * 1e3)
+                # this arm's cache plus what its steps allocate on top of everything already held
+                transient = mx.get_peak_memory() - before
+                rows[arm]["peak_bytes"] = max(rows[arm]["peak_bytes"], rows[arm]["cache_nbytes"] + transient)
+                if a.trim_back:
+                    trim(cs, a.steps)
+                if a.stream_tokens:
+                    rows[arm]["stream_ms"] += stream(model, cs, tok % 1000, a.stream_tokens, a.trim_back)
     for arm in live:
         if rows[arm]["stream_ms"]:
             rows[arm]["stream_median_ms"] = statistics.median(rows[arm]["stream_ms"])
@@ -213,7 +237,7 @@ def run_context(a, model, n, arms, dtype):
         # .rvq files with the library default (compress="auto": zstd where it pays) and uncompressed
         files = {}
         with tempfile.TemporaryDirectory(dir=a.tmp) as d:
-            for arm in [x for x in live if x == "kv" or x.startswith("packed")]:
+            for arm in [x for x in live if x == "kv" or (x.startswith("packed") and "@" not in x)]:
                 for comp in (("auto",) if arm == "kv" else ("auto", "none")):
                     path = os.path.join(d, f"{arm}-{comp}.{'safetensors' if arm == 'kv' else 'rvq'}")
                     size = save(arm, caches[arm], path, comp)
@@ -298,8 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--md")
     ap.add_argument("--kernel", default="default", help="attention kernel variant (tools/kernel_variants.py)")
     a = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/kernel_variants.py
     if a.kernel != "default":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         import kernel_variants
         kernel_variants.apply(a.kernel)
     t0 = time.time()

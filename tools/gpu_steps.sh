@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
+#   steps: diag attn-fused gen-fused gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -35,6 +35,16 @@ for s in "$@"; do
         $py -m pytest -q -rfE -p no:cacheprovider tests/test_attention_mma_gpu.py ;;
     parity-simt) RVQ_ATTN_PARITY_REPORT=$OUT/parity-simt.txt step parity-simt 240 \
         $py -m pytest -q -rfE -p no:cacheprovider tests/test_attention_gpu.py ;;
+    diag) step diag 200 $py tools/bench_attention.py --contexts 32768,131072 --bits 2+2,4+2 --rounds 5 --k 10 \
+        --breakdown --probes 1,2,3 --timeline --json "$OUT/attn-diag.json" ;;
+    attn-fused) step attn-fused 200 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
+        --rounds 7 --k 10 --variants nofuse --timeline --json "$OUT/attention-fused.json" ;;
+    gen-fused) step gen-fused 300 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@nofuse,packed-4+2,packed-4+2@nofuse --steps 4 --rounds 3 \
+        --contexts 1024,8192,32768 --json "$OUT/gen-fused.json" --md "$OUT/gen-fused.md" ;;
+    gen-128k-fused) step gen-128k-fused 240 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@nofuse,packed-4+2 --steps 4 --rounds 2 --contexts 131072 \
+        --json "$OUT/gen-128k-fused.json" --md "$OUT/gen-128k-fused.md" ;;
     attn) step attn 240 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
         --rounds 7 --k 10 --variants simt,mma --json "$OUT/attention.json" ;;
     gen-mma) step gen-mma 300 env RVQSTORE_TENSOR_CORES=1 $py "${gen[@]}" --contexts 1024,8192,32768 --kernel mma \

@@ -376,7 +376,7 @@ def _decide(view: CodesView, rows: int, dtype, windowed: bool, with_sinks: bool,
     if per is None:
         per = _decisions[view.key_codec] = {}
     key = (id(view.value_codec), rows, dtype, windowed, with_sinks, dialect, KEY_LANES, PAIR_TABLES, STAGE_CODES,
-           VALUE_COORDS, kernel_mma.TENSOR_CORES)
+           VALUE_COORDS, kernel_mma.TENSOR_CORES, kernel_mma.FUSED_MERGE)
     d = per.get(key, _MISSING)
     if d is _MISSING:
         d = None
@@ -387,7 +387,7 @@ def _decide(view: CodesView, rows: int, dtype, windowed: bool, with_sinks: bool,
             # un-rotated by the merge kernel; the window and sinks need the MLX-ops merge
             fast = _pow2(dk) and _pow2(dv) and dv >= 32 and not windowed and not with_sinks
             d = (fast, mma, (dialect, fast, mma, rows, dk, dv, view.key_codec.bits, view.key_codec.residual, dtype,
-                             KEY_LANES, PAIR_TABLES, STAGE_CODES, VALUE_COORDS))
+                             KEY_LANES, PAIR_TABLES, STAGE_CODES, VALUE_COORDS, mma and fast and kernel_mma.FUSED_MERGE))
         per[key] = d
     return d
 
@@ -413,7 +413,10 @@ def attend(view: CodesView, queries: mx.array, scale: float, mask, sinks) -> mx.
     fast, mma, config = d
     causal = causal and l > 1
     try:
-        if mma:  # tensor cores: raw queries rotated in the kernel; merged by the merge kernel or combine
+        if mma and fast and kernel_mma.FUSED_MERGE:  # tensor cores, one launch: rotate, split, merge, un-rotate
+            vc = view.value_codec
+            out = kernel_mma.launch_fused(view, queries, l, causal, scale, _folded_signs(vc, 1.0 / vc.dim))
+        elif mma:  # tensor cores: raw queries rotated in the kernel; merged by the merge kernel or combine
             o, ml = kernel_mma.launch(view, queries, l, causal, scale)
             out = merge(view, o, ml, (b, hq, l, view.value_codec.dim), queries.dtype, dialect) if fast else None
         elif fast:  # the queries' (B, Hq, L, D) memory is the kernel's (B * Hkv, R, D): no reshape needed

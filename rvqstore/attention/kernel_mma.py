@@ -48,16 +48,22 @@ def sources() -> tuple[str, str]:
     return header, body
 
 
-def _kernel():
-    k = _kernels.get("mma")
+def _kernel(fused_merge: bool = False):
+    """The split kernel (outputs ``o``, ``ml``) or, with ``fused_merge``, split and merge in one launch (also
+    ``out``; inputs ``vsg`` and ``sem`` added: kernels/rvq_attend_mma.inc, RVQ_ATTEND_FUSED)."""
+    name = "mma_fused" if fused_merge else "mma"
+    k = _kernels.get(name)
     if k is None:
         header, body = sources()
+        if fused_merge:
+            header += "\n#define RVQ_ATTEND_FUSED 1\n"
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
-        k = _kernels["mma"] = kernel_cache.cuda_kernel(
-            name=f"rvq_attend_mma_{digest}",
-            input_names=["q", "sg", "qf", "ks", "k1", "k2", "vs", "v1", "v2", "lut", "cnt", "params"],
-            output_names=["o", "ml"], source=body, header=header, ensure_row_contiguous=True,
-            launch_bounds=f"{THREADS}, {BLOCKS_PER_SM}")
+        k = _kernels[name] = kernel_cache.cuda_kernel(
+            name=f"rvq_attend_{name}_{digest}",
+            input_names=["q", "sg", "qf", "ks", "k1", "k2", "vs", "v1", "v2", "lut", "cnt", "params"]
+            + (["vsg", "sem"] if fused_merge else []),
+            output_names=["o", "ml"] + (["out"] if fused_merge else []), source=body, header=header,
+            ensure_row_contiguous=True, launch_bounds=f"{THREADS}, {BLOCKS_PER_SM}")
     return k
 
 
@@ -109,7 +115,7 @@ TARGET_GROUPS = 396
 
 
 class _Launch:
-    __slots__ = ("params", "sg", "qf", "lut", "two", "template", "grid", "shapes", "run")
+    __slots__ = ("params", "sg", "qf", "lut", "two", "template", "grid", "shapes", "run", "fused")
 
 
 _launches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key codec -> {config: _Launch}
@@ -146,6 +152,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
     p.run = None  # the prepared launch, made at the first call (when the inputs' dtypes are known)
+    p.fused = None  # the same for the fused merge: (prepared launch, vsg, out shapes, out dtypes)
     if len(per) > 64:
         per.clear()
     per[key] = p
@@ -165,3 +172,59 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: fl
         p.run = prepared(_kernel(), p.template, inputs, _F32_2)
     out = p.run(inputs, p.shapes, p.grid, _THREADGROUP)
     return out[0], out[1]
+
+
+#: serve fast-path calls (no window, no sinks) with one launch, the merge fused into the split kernel
+#: (:func:`launch_fused`); False: the split kernel and the merge kernel, two launches (a call's result is the
+#: same up to the order of one sum: tests/test_attention_mma_gpu.py)
+FUSED_MERGE = os.environ.get("RVQSTORE_FUSED_MERGE", "1").strip() != "0"
+#: slots in a ring of the fused merge's counters, per stream and heads count: a launch takes the next slot and
+#: leaves it zeroed behind. Two launches that run at once must not share one; MLX runs the kernels of one CUDA
+#: graph concurrently where no array orders them, and one stream's graphs one after another, and puts at most
+#: MLX_MAX_OPS_PER_BUFFER (100 on an H100/H200) nodes in a graph: the ring is made at least 8 times that long.
+RING_SLOTS = 1024
+_rings: list = []  # [stream, bh, slots (list of [bh] uint32 arrays), next index]; MLX streams compare equal but
+#                    hash apart, so they are looked up in a list (one entry or two in practice)
+
+
+def _ring_size() -> int:
+    try:
+        ops = int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "100"))
+    except ValueError:
+        ops = 100
+    return max(RING_SLOTS, 8 * ops)
+
+
+def _sem_slot(bh: int) -> mx.array:
+    """The next counter slot (``bh`` uint32, zero between launches) of this stream's ring."""
+    stream = mx.default_stream(mx.default_device())
+    for ring in _rings:
+        if ring[1] == bh and ring[0] == stream:
+            break
+    else:
+        n = _ring_size()
+        pool = mx.zeros((n * bh,), dtype=mx.uint32)
+        slots = [pool[i * bh:(i + 1) * bh] for i in range(n)]  # views of the pool: made once, evaluated once
+        mx.eval(slots)
+        ring = [stream, bh, slots, 0]
+        _rings.append(ring)
+    slots, i = ring[2], ring[3]
+    ring[3] = i + 1 if i + 1 < len(slots) else 0
+    return slots[i]
+
+
+def launch_fused(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: float, vsg: mx.array):
+    """The attention output ``(B, Hq, L, Dv)`` in ``q``'s dtype for raw fp16 queries ``q`` ``(B, Hq, L, D)``: the
+    split kernel whose last threadgroup per head merges the splits and un-rotates (``vsg`` = value signs / Dv)."""
+    b, h, l, d = q.shape
+    ks, k1, k2 = view.key_buffers
+    vs, v1, v2 = view.value_buffers
+    bh = b * view.n_kv_heads
+    p = _plan(view, ks.shape[-1], bh, h * l // view.n_kv_heads, n_queries, causal, scale)
+    inputs = [q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut,
+              view.count_array(), p.params, vsg, _sem_slot(bh)]
+    f = p.fused
+    if f is None:
+        f = p.fused = (prepared(_kernel(True), p.template + [("OutT", q.dtype)], inputs, _F32_2 + [q.dtype]),
+                       p.shapes + [(b, h, l, d)], _F32_2 + [q.dtype])
+    return f[0](inputs, f[1], p.grid, _THREADGROUP)[2]
