@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: diag attn-fused gen-fused gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
+#   steps: diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -42,6 +42,10 @@ for s in "$@"; do
     gen-fused) step gen-fused 300 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@nofuse,packed-4+2,packed-4+2@nofuse --steps 4 --rounds 3 \
         --contexts 1024,8192,32768 --json "$OUT/gen-fused.json" --md "$OUT/gen-fused.md" ;;
+    gen-final) step gen-final 300 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@nofuse,packed-4+2,resident-2+2 --steps 6 --rounds 4 \
+        --contexts 1024,8192,32768 --resume --resume-rounds 2 --tmp "$tmp" \
+        --json "$OUT/gen-final.json" --md "$OUT/gen-final.md" ;;
     gen-128k-fused) step gen-128k-fused 240 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@nofuse,packed-4+2 --steps 4 --rounds 2 --contexts 131072 \
         --json "$OUT/gen-128k-fused.json" --md "$OUT/gen-128k-fused.md" ;;
