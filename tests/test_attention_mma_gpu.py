@@ -28,9 +28,8 @@ REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
 
 @pytest.fixture(autouse=True)
 def tensor_cores_on(monkeypatch):
-    """This kernel's tests run it whatever the environment says (the merge fused into it, as by default)."""
+    """This kernel's tests run it whatever the environment says."""
     monkeypatch.setattr(kernel_mma, "TENSOR_CORES", True)
-    monkeypatch.setattr(kernel_mma, "FUSED_MERGE", True)
 
 
 @pytest.fixture
@@ -211,19 +210,22 @@ def test_gpu_tensor_core_kernel_parity(case, monkeypatch):
     _record("mma-partials", ok, f"{case} rel_err o={err_o:.2e} l={err_l:.2e} abs_err m={err_m:.2e} "
             f"(m scale {m_scale:.1f}, score bound {s_max:.1f})")
     assert ok, (err_o, err_l, err_m, same_inf)
-    # the whole call (tensor-core kernel + merge kernel or combine) vs decode-then-SDPA, fp16
-    calls = []
+    # the whole call (tensor-core kernel + merge kernel or combine; or the merge fused) vs decode-then-SDPA, fp16
     real, real_fused = kernel_mma.launch, kernel_mma.launch_fused
+    calls = []
     monkeypatch.setattr(kernel_mma, "launch", lambda *a, **kw: calls.append("split") or real(*a, **kw))
     monkeypatch.setattr(kernel_mma, "launch_fused", lambda *a, **kw: calls.append("fused") or real_fused(*a, **kw))
     mask = "causal" if L > 1 else None
-    got = c.attend_on_codes(q, scale=scale, mask=mask)
     ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=scale, mask=mask)
-    err = float(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max())
     bound = 4 * 2.0 ** -11 * float(mx.abs(V.astype(mx.float32)).max())
-    _record("mma-attend-fp16-vs-sdpa", err <= bound and bool(calls),
-            f"{case} {'+'.join(calls)} max_abs_err={err:.2e} bound={bound:.2e}")
-    assert calls == ["split" if window else "fused"] and err <= bound and not kernel.disabled()
+    for fuse in (False, True):
+        monkeypatch.setattr(kernel_mma, "FUSED_MERGE", fuse)
+        calls.clear()
+        got = c.attend_on_codes(q, scale=scale, mask=mask)
+        err = float(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max())
+        _record("mma-attend-fp16-vs-sdpa", err <= bound and bool(calls),
+                f"{case} {'+'.join(calls)} max_abs_err={err:.2e} bound={bound:.2e}")
+        assert calls == ["fused" if fuse and not window else "split"] and err <= bound and not kernel.disabled()
 
 
 FUSED_CASES = [c for c in MMA_CASES if not c[8]]  # no window: the calls the fused merge serves

@@ -38,16 +38,16 @@ for s in "$@"; do
     diag) step diag 200 $py tools/bench_attention.py --contexts 32768,131072 --bits 2+2,4+2 --rounds 5 --k 10 \
         --breakdown --probes 1,2,3 --timeline --json "$OUT/attn-diag.json" ;;
     attn-fused) step attn-fused 200 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
-        --rounds 7 --k 10 --variants nofuse --timeline --json "$OUT/attention-fused.json" ;;
+        --rounds 7 --k 10 --variants fuse --timeline --json "$OUT/attention-fused.json" ;;
     gen-fused) step gen-fused 300 $py tools/bench_generation.py --model random \
-        --arms kv,packed-2+2,packed-2+2@nofuse,packed-4+2,packed-4+2@nofuse --steps 4 --rounds 3 \
+        --arms kv,packed-2+2,packed-2+2@fuse,packed-4+2,packed-4+2@fuse --steps 4 --rounds 3 \
         --contexts 1024,8192,32768 --json "$OUT/gen-fused.json" --md "$OUT/gen-fused.md" ;;
     gen-final) step gen-final 300 $py tools/bench_generation.py --model random \
-        --arms kv,packed-2+2,packed-2+2@nofuse,packed-4+2,resident-2+2 --steps 6 --rounds 4 \
+        --arms kv,packed-2+2,packed-2+2@fuse,packed-4+2,resident-2+2 --steps 6 --rounds 4 \
         --contexts 1024,8192,32768 --resume --resume-rounds 2 --tmp "$tmp" \
         --json "$OUT/gen-final.json" --md "$OUT/gen-final.md" ;;
     gen-128k-fused) step gen-128k-fused 240 $py tools/bench_generation.py --model random \
-        --arms kv,packed-2+2,packed-2+2@nofuse,packed-4+2 --steps 4 --rounds 2 --contexts 131072 \
+        --arms kv,packed-2+2,packed-2+2@fuse,packed-4+2 --steps 4 --rounds 2 --contexts 131072 \
         --json "$OUT/gen-128k-fused.json" --md "$OUT/gen-128k-fused.md" ;;
     attn) step attn 240 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
         --rounds 7 --k 10 --variants simt,mma --json "$OUT/attention.json" ;;
