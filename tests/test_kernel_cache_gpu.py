@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from rvqstore import RVQCodec, RVQKVCache, fused, kernel_cache
+from rvqstore.attention import kernel_mma
 from subprocess_env import python_path
 
 pytestmark = pytest.mark.gpu
@@ -59,6 +60,12 @@ def _workload():
             mx.eval(kk, vv)
         q = mx.array(rng.standard_normal((1, hkv * g, 1, d)).astype(np.float32)).astype(dtype)
         mx.eval(c.attend_on_codes(q, scale=d ** -0.5))
+        if dtype == mx.float16 and not window:  # also the tensor-core kernel with the merge fused into it
+            before, kernel_mma.FUSED_MERGE = kernel_mma.FUSED_MERGE, True
+            try:
+                mx.eval(c.attend_on_codes(q, scale=d ** -0.5))
+            finally:
+                kernel_mma.FUSED_MERGE = before
     for bits, d in [((2, 2), 128), ((3, 1), 96), ((4, 0), 64)]:
         codec = RVQCodec(d, bits)
         x = mx.array(rng.standard_normal((37, d)).astype(np.float32))
