@@ -46,7 +46,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import user_cache
+from . import host_malloc, user_cache
 
 log = logging.getLogger("rvqstore.kernels")
 
@@ -421,6 +421,7 @@ class CudaKernel:
                 try:
                     func, tu = self.source_for(template, in_dtypes, out_dtypes)
                     entry = get_binary(tu, func)
+                    host_malloc.tune()  # each launch copies the binary into its node: keep those pages mapped
                 except Exception as err:  # no NVRTC, headers, a compile error: MLX's JIT path instead
                     log.info("kernel cache: %s compiled by MLX instead (%s: %s)", self.name, type(err).__name__,
                              str(err)[:300])

@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
+#   steps: malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -37,6 +37,13 @@ for s in "$@"; do
         $py -m pytest -q -rfE -p no:cacheprovider tests/test_attention_gpu.py ;;
     diag) step diag 200 $py tools/bench_attention.py --contexts 32768,131072 --bits 2+2,4+2 --rounds 5 --k 10 \
         --breakdown --probes 1,2,3 --timeline --json "$OUT/attn-diag.json" ;;
+    malloc) for v in 0 1; do
+        step "overhead-tune$v" 60 env RVQSTORE_MALLOC_TUNE=$v $py tools/bench_launch_overhead.py \
+          --json "$OUT/launch-overhead-tune$v.json"; done
+      for v in 0 1; do
+        step "gen-tune$v" 120 env RVQSTORE_MALLOC_TUNE=$v $py tools/bench_generation.py --model random \
+          --arms kv,packed-2+2,packed-4+2,resident-2+2 --steps 4 --rounds 3 --contexts 1024,8192,32768 \
+          --json "$OUT/gen-tune$v.json" --md "$OUT/gen-tune$v.md"; done ;;
     overhead) step overhead 120 $py tools/bench_launch_overhead.py --json "$OUT/launch-overhead.json" ;;
     attn-fused) step attn-fused 200 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
         --rounds 7 --k 10 --variants fuse --timeline --json "$OUT/attention-fused.json" ;;
