@@ -152,7 +152,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
     p.run = None  # the prepared launch, made at the first call (when the inputs' dtypes are known)
-    p.fused = None  # the same for the fused merge: (prepared launch, vsg, out shapes, out dtypes)
+    p.fused = None  # the same for the fused merge: (prepared launch, output shapes, output dtypes)
     if len(per) > 64:
         per.clear()
     per[key] = p
