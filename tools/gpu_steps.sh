@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
+#   steps: attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -57,6 +57,8 @@ for s in "$@"; do
     gen-128k-fused) step gen-128k-fused 240 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@fuse,packed-4+2 --steps 4 --rounds 2 --contexts 131072 \
         --json "$OUT/gen-128k-fused.json" --md "$OUT/gen-128k-fused.md" ;;
+    attn-layers) step attn-layers 240 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 2+2,4+2 \
+        --rounds 7 --k 8 --layers 4 --json "$OUT/attention-layers.json" ;;
     attn) step attn 240 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
         --rounds 7 --k 10 --variants simt,mma --json "$OUT/attention.json" ;;
     gen-mma) step gen-mma 300 env RVQSTORE_TENSOR_CORES=1 $py "${gen[@]}" --contexts 1024,8192,32768 --kernel mma \
