@@ -13,12 +13,12 @@ from rvqstore import host_malloc
 from subprocess_env import python_path
 
 _PROBE = """
-import ctypes, sys
+import ctypes
 from rvqstore import host_malloc
 applied = host_malloc.tune()
 again = host_malloc.tune()
-# glibc's malloc_info names the settings in effect only indirectly; what it does show: a freed block at the
-# top of the heap, larger than glibc's default trim threshold (128 KB) but below ours, stays with the process
+# what the settings change, seen through mallinfo2's keepcost (the free memory at the top of the heap): freed
+# blocks at the top, more than glibc's default trim threshold (128 KB) but less than ours, stay with the process
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
