@@ -15,6 +15,7 @@ With RVQ_ATTN_PARITY_REPORT=path each comparison appends a line there (tools/res
 from __future__ import annotations
 
 import os
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -143,6 +144,21 @@ def test_the_strided_split_model_merges_to_the_same_attention(n, L, cpu_device):
     strided = kernel.combine(view, q, 0.1, o, ml, mask, None)
     np.testing.assert_allclose(np.array(strided), np.array(plain), rtol=1e-5, atol=1e-6)
     assert o.shape[1] == kernel.split_plan(int(view.key_buffers[0].shape[-1]), hkv, kernel_mma.TARGET_GROUPS)[1]
+
+
+def test_which_calls_take_one_launch(monkeypatch):
+    """The merge fused into the tensor-core kernel serves fast-path calls (no window, no sinks) only where it is
+    switched on; the decision is made once per configuration and keyed by the switch."""
+    c, _, _ = _cache((2, 2), 2, 40, 128)
+    view = c.codes_view()
+    monkeypatch.setattr(kernel, "_decisions", weakref.WeakKeyDictionary())
+    for on in (False, True):
+        monkeypatch.setattr(kernel_mma, "FUSED_MERGE", on)
+        fast, mma, one, config = kernel._decide(view, 4, mx.float16, False, False, "cuda")
+        assert (fast, mma, one) == (True, True, on) and one in config
+        assert kernel._decide(view, 4, mx.float16, True, False, "cuda")[:3] == (False, True, False)  # a window
+        assert kernel._decide(view, 4, mx.float16, False, True, "cuda")[:3] == (False, True, False)  # sinks
+        assert kernel._decide(view, 4, mx.float32, False, False, "cuda")[1:3] == (False, False)  # the SIMT kernel
 
 
 def test_the_fused_merges_counter_ring(monkeypatch):

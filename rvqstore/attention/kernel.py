@@ -370,8 +370,9 @@ _decisions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key cod
 
 
 def _decide(view: CodesView, rows: int, dtype, windowed: bool, with_sinks: bool, dialect: str):
-    """``(fast, tensor_cores, config)`` for calls of this shape, or None where the kernel does not take them (made
-    once per configuration: a decode step repeats the same one 32 times per token)."""
+    """``(fast, tensor_cores, one_launch, config)`` for calls of this shape, or None where the kernel does not take
+    them (made once per configuration: a decode step repeats the same one 32 times per token). ``one_launch``: the
+    tensor-core kernel with the merge fused into it serves the call (kernel_mma.FUSED_MERGE)."""
     per = _decisions.get(view.key_codec)
     if per is None:
         per = _decisions[view.key_codec] = {}
@@ -386,8 +387,9 @@ def _decide(view: CodesView, rows: int, dtype, windowed: bool, with_sinks: bool,
             # fast path, two launches: raw queries rotated in the split kernel, splits merged and
             # un-rotated by the merge kernel; the window and sinks need the MLX-ops merge
             fast = _pow2(dk) and _pow2(dv) and dv >= 32 and not windowed and not with_sinks
-            d = (fast, mma, (dialect, fast, mma, rows, dk, dv, view.key_codec.bits, view.key_codec.residual, dtype,
-                             KEY_LANES, PAIR_TABLES, STAGE_CODES, VALUE_COORDS, mma and fast and kernel_mma.FUSED_MERGE))
+            one = bool(mma and fast and kernel_mma.FUSED_MERGE)
+            d = (fast, mma, one, (dialect, fast, mma, one, rows, dk, dv, view.key_codec.bits, view.key_codec.residual,
+                                  dtype, KEY_LANES, PAIR_TABLES, STAGE_CODES, VALUE_COORDS))
         per[key] = d
     return d
 
@@ -410,10 +412,10 @@ def attend(view: CodesView, queries: mx.array, scale: float, mask, sinks) -> mx.
     d = _decide(view, rows, queries.dtype, view.dense_keys is not None, sinks is not None, dialect)
     if d is None:
         return None
-    fast, mma, config = d
+    fast, mma, one, config = d
     causal = causal and l > 1
     try:
-        if mma and fast and kernel_mma.FUSED_MERGE:  # tensor cores, one launch: rotate, split, merge, un-rotate
+        if one:  # tensor cores, one launch: rotate, split, merge, un-rotate
             vc = view.value_codec
             out = kernel_mma.launch_fused(view, queries, l, causal, scale, _folded_signs(vc, 1.0 / vc.dim))
         elif mma:  # tensor cores: raw queries rotated in the kernel; merged by the merge kernel or combine
