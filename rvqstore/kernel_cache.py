@@ -14,7 +14,9 @@ update and attention cost seconds. :func:`cuda_kernel` takes the same arguments 
    corrupt or foreign file is ignored and rebuilt), else compiles it with NVRTC through ctypes (the
    library MLX itself loaded) and stores it;
 3. launches it with ``mx.fast.precompiled_cuda_kernel`` (inputs, then outputs, as pointers; our kernels
-   take their sizes through a params array, so no shapes or scalars are passed).
+   take their sizes through a params array, so no shapes or scalars are passed), by a short reference
+   to the binary once a first launch so showed MLX finds it (:mod:`rvqstore.kernel_ref`: MLX copies
+   and hashes what it is handed on every launch).
 
 Anything failing on that way (no NVRTC, no CUDA headers, a compile error, a module that does not load)
 switches that configuration over to ``mx.fast.cuda_kernel`` with the same source, silently apart from
@@ -46,7 +48,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import host_malloc, user_cache
+from . import host_malloc, kernel_ref, user_cache
 
 log = logging.getLogger("rvqstore.kernels")
 
@@ -79,8 +81,9 @@ CUDA_TYPES = {
 
 _lock = threading.Lock()
 #: what this process did: kernels compiled with NVRTC, loaded from the cache's files, sent to MLX's JIT;
-#: first-use checks skipped thanks to a kept verdict (tools/bench_cold_start.py prints them)
-stats = {"compiled": 0, "loaded": 0, "jit_launches": 0, "verdicts_kept": 0}
+#: first-use checks skipped thanks to a kept verdict; configurations launched by reference
+#: (tools/bench_cold_start.py prints them)
+stats = {"compiled": 0, "loaded": 0, "jit_launches": 0, "verdicts_kept": 0, "by_reference": 0}
 
 
 def dtype_name(dtype) -> str:
@@ -387,7 +390,9 @@ class CudaKernel:
         self.header = header
         self.ensure_row_contiguous = ensure_row_contiguous
         self._jit = None
-        self._entries: dict = {}  # (template, dtypes) -> (symbol, binary, key) or None (use the JIT kernel)
+        # (template, dtypes) -> (symbol, binary, key, what a launch passes: the binary or its reference), or
+        # None (use the JIT kernel)
+        self._entries: dict = {}
         self._checked: set = set()  # configurations whose precompiled launch evaluated once
         # MLX passes shapes/strides to a body that names them; a precompiled launch passes none
         self._needs_shapes = any(re.search(rf"\b{re.escape(n)}_(shape|strides|ndim)\b", source)
@@ -421,6 +426,7 @@ class CudaKernel:
                 try:
                     func, tu = self.source_for(template, in_dtypes, out_dtypes)
                     entry = get_binary(tu, func)
+                    entry = entry + (entry[1],)
                     host_malloc.tune()  # each launch copies the binary into its node: keep those pages mapped
                 except Exception as err:  # no NVRTC, headers, a compile error: MLX's JIT path instead
                     log.info("kernel cache: %s compiled by MLX instead (%s: %s)", self.name, type(err).__name__,
@@ -438,14 +444,17 @@ class CudaKernel:
         entry = self._entry(key, template, in_dtypes, out_dtypes)
         if entry is not None:
             out = None
-            try:
-                out = mx.fast.precompiled_cuda_kernel(
-                    name=entry[0], compiled_source=entry[1], inputs=inputs, output_shapes=output_shapes,
+
+            def launch(source):
+                return mx.fast.precompiled_cuda_kernel(
+                    name=entry[0], compiled_source=source, inputs=inputs, output_shapes=output_shapes,
                     output_dtypes=output_dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
                     init_value=init_value, ensure_row_contiguous=self.ensure_row_contiguous, stream=stream)
-                if key not in self._checked:  # the module loads at evaluation: make that happen here once
-                    mx.eval(out)
-                    self._checked.add(key)
+            try:
+                if key in self._checked:
+                    out = launch(_source(entry))
+                else:  # the module loads at evaluation: make that happen here once
+                    out = self._first_launch(key, entry, launch)
                 log_ = getattr(_launched, "keys", None)
                 if log_ is not None:
                     log_.append(entry[2])
@@ -461,6 +470,38 @@ class CudaKernel:
         return self.jit()(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes, grid=grid,
                           threadgroup=threadgroup, template=template, init_value=init_value, verbose=verbose,
                           stream=stream)
+
+    def _first_launch(self, key, entry, launch):
+        """Launch and evaluate a configuration's first call: by reference (:mod:`rvqstore.kernel_ref`) where
+        MLX's module cache takes it, else with the binary; the entry then names what later launches pass.
+        Inside ``mx.compile`` nothing can be evaluated: the binary's launch goes back unchecked."""
+        ref = kernel_ref.publish(entry[0], entry[1])
+        failed = None
+        if ref is not None:
+            out = launch(ref)
+            try:
+                mx.eval(out)
+            except Exception as err:
+                if _TRACING in str(err):
+                    return launch(entry[1])
+                failed = f"{self.name}: {type(err).__name__}: {_brief(str(err))}"
+            else:
+                with _lock:
+                    self._entries[key] = entry[:3] + (ref,)
+                    self._checked.add(key)
+                stats["by_reference"] += 1
+                return out
+        out = launch(entry[1])
+        try:
+            mx.eval(out)
+        except Exception as err:
+            if _TRACING in str(err):
+                return out
+            raise
+        if failed:  # the binary loads where its reference did not: MLX does not find modules as we expect
+            kernel_ref.give_up(failed)
+        self._checked.add(key)
+        return out
 
     def precompiled(self) -> int:
         """How many configurations launch from cached binaries (the rest go through MLX's JIT)."""
@@ -492,7 +533,7 @@ class PreparedLaunch:
         if entry is not None:
             try:
                 out = mx.fast.precompiled_cuda_kernel(
-                    name=entry[0], compiled_source=entry[1], inputs=inputs, output_shapes=output_shapes,
+                    name=entry[0], compiled_source=_source(entry), inputs=inputs, output_shapes=output_shapes,
                     output_dtypes=self.out_dtypes, scalars=[], grid=grid, threadgroup=threadgroup, init_value=None,
                     ensure_row_contiguous=self.kernel.ensure_row_contiguous, stream=None)
             except Exception:  # the kernel's own path decides (MLX's JIT instead, logged)
@@ -510,6 +551,11 @@ class PreparedLaunch:
 
 
 _MISSING = object()
+
+
+def _source(entry) -> bytes | str:
+    """What a launch of a checked entry passes as its code: the reference, unless switched to binaries."""
+    return entry[3] if kernel_ref.BY_REFERENCE else entry[1]
 
 
 def _brief(msg: str, head: int = 200, tail: int = 400) -> str:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from rvqstore import RVQCodec, cache_append, cache_fetch, kernel_cache
+from rvqstore import RVQCodec, cache_append, cache_fetch, kernel_cache, kernel_ref
 
 
 @pytest.fixture
@@ -28,6 +28,7 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
     monkeypatch.setattr(kernel_cache, "cache_dir", lambda: Path("/nonexistent-rvqstore-test"))
+    monkeypatch.setenv(kernel_ref.ENV, "0")  # the binaries themselves are looked at
     monkeypatch.setattr(kernel_cache, "get_binary", lambda tu, func: (func, tu, "key-" + func))
     monkeypatch.setattr(kernel_cache.mx, "eval", lambda *a: None)  # the first launch's load check
     return seen

@@ -13,7 +13,7 @@ import threading
 import mlx.core as mx
 import pytest
 
-from rvqstore import first_use, fused, kernel_cache as kc
+from rvqstore import first_use, fused, kernel_cache as kc, kernel_ref
 
 FAKE_DEVICE = {"name": "Stand-in GPU", "cc": (9, 0)}
 
@@ -21,6 +21,7 @@ FAKE_DEVICE = {"name": "Stand-in GPU", "cc": (9, 0)}
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv(kc.ENV, str(tmp_path))
+    monkeypatch.setenv(kernel_ref.ENV, "0")  # launches by reference: tests/test_kernel_ref.py
     monkeypatch.setattr(kc, "device", lambda: FAKE_DEVICE)
     monkeypatch.setattr(kc, "compile_setup", lambda: (["--gpu-architecture=sm_90a"], "sm_90a nvrtc 13.0"))
     compiled = []

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from rvqstore import RVQCodec, RVQKVCache, fused, kernel_cache
+from rvqstore import RVQCodec, RVQKVCache, fused, kernel_cache, kernel_ref
 from rvqstore.attention import kernel_mma
 from subprocess_env import python_path
 
@@ -87,6 +87,9 @@ def test_gpu_precompiled_kernels_equal_the_jit_kernels(monkeypatch, tmp_path):
     _workload()
     monkeypatch.setattr(kernel_cache.CudaKernel, "__call__", real)
     names = {k[0].rsplit("_", 1)[0] for k in calls}
+    # every configuration's first launch found its module by reference: later launches pass ~90 bytes
+    refs = [e for k, _ in calls.values() for e in k._entries.values() if e is not None]
+    assert refs and all(isinstance(e[3], str) and e[3] != e[1] for e in refs) and kernel_ref.enabled()
     for kind in ("rvq_encode", "rvq_decode", "rvq_append", "rvq_append_res", "rvq_append_copy",
                  "rvq_append_inplace", "rvq_unpack", "rvq_attend_attend", "rvq_attend_merge", "rvq_attend_mma_fused"):
         assert any(n == kind or n.startswith(kind + "2") or n.startswith(kind + "1") for n in names), (kind, names)
@@ -109,11 +112,16 @@ def test_gpu_precompiled_kernels_equal_the_jit_kernels(monkeypatch, tmp_path):
             assert kern.precompiled() > 0, f"{name} did not launch from a cached binary"
             jit = kern.jit()(**dict(kw, inputs=ins[:-1] + [mx.zeros_like(ins[-1])]))
             mx.eval(pre, jit)
-        else:
+        else:  # launched by reference (rvqstore.kernel_ref) and with the binary, against the JIT kernel
             pre = kern(**kw)
             assert kern.precompiled() > 0, f"{name} did not launch from a cached binary"
+            with monkeypatch.context() as m:
+                m.setattr(kernel_ref, "BY_REFERENCE", False)
+                pre_binary = kern(**kw)
             jit = kern.jit()(**kw)
-            mx.eval(pre, jit)
+            mx.eval(pre, pre_binary, jit)
+            pre = pre + pre_binary
+            jit = jit + jit
         if "_copy" in name:  # whole new buffers: only the first n + t tokens are written (the rest is capacity)
             rows = int(kw["inputs"][7][0].item()) + int(kw["inputs"][6][1].item())  # cnt = [n]; params [nk, t, ..]
             pre, jit = [a[:, :, :rows] for a in pre], [a[:, :, :rows] for a in jit]
@@ -126,17 +134,21 @@ def test_gpu_precompiled_kernels_equal_the_jit_kernels(monkeypatch, tmp_path):
     assert not failed, failed
 
 
-def _fresh_process(cache: Path, extra: str = "") -> dict:
+def _fresh_process(cache: Path, extra: str = "", before: str = "") -> dict:
     code = f"""
-import json, mlx.core as mx
-from rvqstore import RVQKVCache, kernel_cache
+import hashlib, json, mlx.core as mx
+from rvqstore import RVQKVCache, kernel_cache, kernel_ref
+{before}
+mx.random.seed(1)
 c = RVQKVCache((2, 2))
 k = mx.random.normal((1, 2, 64, 128)).astype(mx.float16)
 c.update_and_fetch(k, k)
 c.update_and_fetch(k[:, :, :1], k[:, :, :1])
-mx.eval(c.state, c.attend_on_codes(mx.random.normal((1, 8, 1, 128)).astype(mx.float16), scale=0.1))
+mx.random.seed(0)
+out = c.attend_on_codes(mx.random.normal((1, 8, 1, 128)).astype(mx.float16), scale=0.1)
+mx.eval(c.state, out)
 {extra}
-print(json.dumps(kernel_cache.stats))
+print(json.dumps(dict(kernel_cache.stats, out=hashlib.sha256(bytes(memoryview(out.view(mx.uint16)))).hexdigest())))
 """
     env = dict(os.environ, PYTHONPATH=python_path(ROOT), **{kernel_cache.ENV: str(cache)})
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
@@ -148,12 +160,14 @@ def test_gpu_a_second_process_compiles_nothing_and_skips_the_checks(tmp_path):
     _cuda()
     first = _fresh_process(tmp_path)
     assert first["compiled"] >= 4 and first["loaded"] == 0 and first["jit_launches"] == 0
+    assert first["by_reference"] >= 4
     files = sorted(p.name for p in (tmp_path / mx.__version__).iterdir())
     assert sum(f.endswith(".bin") for f in files) == first["compiled"]
     assert any(f.endswith(".verdict") for f in files)
     second = _fresh_process(tmp_path)
     assert second["compiled"] == 0 and second["loaded"] >= 4 and second["jit_launches"] == 0
-    assert second["verdicts_kept"] >= 2
+    assert second["verdicts_kept"] >= 2 and second["by_reference"] >= 4
+    assert second["out"] == first["out"]
     # damaged files are not used: compiled again and replaced
     for victim in (tmp_path / mx.__version__).glob("*.bin"):
         data = bytearray(victim.read_bytes())
@@ -165,6 +179,17 @@ def test_gpu_a_second_process_compiles_nothing_and_skips_the_checks(tmp_path):
     # first process's checks ran, keeps its damaged file until a process needs it)
     assert sum(kernel_cache._unpack(p.stem, p.read_bytes()) is not None
                for p in (tmp_path / mx.__version__).glob("*.bin")) == third["compiled"]
+
+
+def test_gpu_where_mlx_does_not_find_the_reference_the_binaries_launch(tmp_path):
+    """MLX looking elsewhere than rvqstore.kernel_ref publishes: each kernel's first launch by reference
+    fails to load, the binary's runs instead, with the same result, and later kernels go straight to it."""
+    _cuda()
+    good = _fresh_process(tmp_path / "kc1")
+    broken = _fresh_process(tmp_path / "kc2", before=(
+        f"kernel_ref.mlx_cache_dir = lambda: __import__('pathlib').Path({str(tmp_path / 'elsewhere')!r})"))
+    assert good["by_reference"] >= 4 and broken["by_reference"] == 0
+    assert broken["jit_launches"] == 0 and broken["compiled"] == good["compiled"] and broken["out"] == good["out"]
 
 
 def test_gpu_without_nvrtc_the_kernels_still_run_through_mlx(tmp_path):

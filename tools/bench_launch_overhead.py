@@ -12,6 +12,8 @@ first input, so they run one after another, as a model's layers do) is built and
 
 - ``build_us``: Python + MLX building one node (the launch call), per node;
 - ``eval_us``: evaluating the chain, per node (MLX's per-node host work plus a ~2 us kernel on the GPU);
+- ``-binary`` arms: the same kernel launched with its whole binary rather than by reference
+  (:mod:`rvqstore.kernel_ref`; the arm without the suffix);
 - reference arms: the same chain of ``mx.add`` (a built-in elementwise primitive) and of
   ``mx.fast.scaled_dot_product_attention`` on a tiny problem.
 
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from rvqstore import kernel_cache  # noqa: E402
+from rvqstore import kernel_cache, kernel_ref  # noqa: E402
 
 BODY = """
   if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = in0[0] + 1u;
@@ -69,6 +71,17 @@ def make_launch(n_inputs: int, bloat_kb: int):
     return launch, one, size
 
 
+def _with_binary(launch):
+    """``launch`` handing MLX the whole binary instead of its reference (rvqstore.kernel_ref)."""
+    def run(x):
+        kernel_ref.BY_REFERENCE = False
+        try:
+            return launch(x)
+        finally:
+            kernel_ref.BY_REFERENCE = True
+    return run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--inputs", default="4,14")
@@ -88,6 +101,8 @@ def main(argv=None) -> int:
             launch, start, size = make_launch(ni, kb)
             arms[f"kernel-{ni}in-{kb}kb"] = (launch, start)
             sizes[f"kernel-{ni}in-{kb}kb"] = size
+            arms[f"kernel-{ni}in-{kb}kb-binary"] = (_with_binary(launch), start)
+            sizes[f"kernel-{ni}in-{kb}kb-binary"] = size
     x0 = mx.zeros((1,), dtype=mx.uint32)
     arms["mx.add"] = (lambda x: x + 1, x0)
     q = mx.zeros((1, 4, 1, 64), dtype=mx.float16)
@@ -115,6 +130,7 @@ def main(argv=None) -> int:
     rows = {n: {"build_us": statistics.median(build[n]), "eval_us": statistics.median(evals[n]),
                 "binary_bytes": sizes.get(n)} for n in arms}
     out = {"device": str(mx.default_device()), "mlx": mx.__version__, "nodes": a.nodes, "rounds": a.rounds,
+           "by_reference": kernel_cache.stats["by_reference"],
            "command": "python tools/bench_launch_overhead.py " + " ".join(argv or sys.argv[1:]), "rows": rows}
     print(json.dumps(out, indent=1))
     if a.json:
