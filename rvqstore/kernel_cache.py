@@ -478,8 +478,8 @@ class CudaKernel:
         ref = kernel_ref.publish(entry[0], entry[1])
         failed = None
         if ref is not None:
-            out = launch(ref)
             try:
+                out = launch(ref)
                 mx.eval(out)
             except Exception as err:
                 if _TRACING in str(err):

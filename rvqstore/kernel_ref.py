@@ -10,7 +10,7 @@ MLX looks a module up by that name in memory, then in its on-disk module cache
 (``$MLX_PTX_CACHE_DIR``, default ``<temp>/mlx/<version>/ptx``: ``<module>.ptx`` holding the code and
 ``<module>.txt`` one ``name<TAB>symbol`` line per kernel), and only then loads ``compiled_source`` itself.
 So :func:`publish` writes a kernel's binary into that cache under the module name of a short reference
-string (``rvqstore-kernel:<sha256 of the binary>``) and hands the reference back: a launch passing the
+string (``b"rvqstore-kernel:<sha256 of the binary>"``) and hands the reference back: a launch passing the
 reference loads the same code, and each node copies and hashes ~90 bytes.
 
 This leans on how MLX names and finds modules, which MLX does not promise, so it is checked where it is
@@ -40,7 +40,7 @@ log = logging.getLogger("rvqstore.kernels")
 ENV = "RVQSTORE_KERNEL_REF"
 #: launch checked configurations by reference (False: with the binary, as before)
 BY_REFERENCE = True
-_PREFIX = "rvqstore-kernel:"
+_PREFIX = b"rvqstore-kernel:"
 _SEED = 0xC70F6907  # libstdc++'s seed for std::hash<std::string>
 _MUL = 0xC6A4A7935BD1E995
 _M64 = (1 << 64) - 1
@@ -120,8 +120,8 @@ def _write(path: Path, data: bytes) -> None:
         raise
 
 
-def publish(symbol: str, binary: bytes) -> str | None:
-    """A short source that launches ``binary``'s ``symbol`` through MLX's module cache, or None (switched
+def publish(symbol: str, binary: bytes) -> bytes | None:
+    """A short source (bytes, as MLX takes the binary) that launches ``binary``'s ``symbol`` through MLX's module cache, or None (switched
     off, given up, or the cache directory is missing, not ours, or shared)."""
     if not enabled():
         return None
@@ -130,7 +130,7 @@ def publish(symbol: str, binary: bytes) -> str | None:
         ref = _published.get((symbol, digest))
         if ref is not None:
             return ref
-        ref = _PREFIX + digest
+        ref = _PREFIX + digest.encode()
         d = mlx_cache_dir()
         try:
             d.mkdir(mode=0o755, parents=True, exist_ok=True)

@@ -89,7 +89,7 @@ def test_gpu_precompiled_kernels_equal_the_jit_kernels(monkeypatch, tmp_path):
     names = {k[0].rsplit("_", 1)[0] for k in calls}
     # every configuration's first launch found its module by reference: later launches pass ~90 bytes
     refs = [e for k, _ in calls.values() for e in k._entries.values() if e is not None]
-    assert refs and all(isinstance(e[3], str) and e[3] != e[1] for e in refs) and kernel_ref.enabled()
+    assert refs and all(e[3].startswith(b"rvqstore-kernel:") and e[3] != e[1] for e in refs) and kernel_ref.enabled()
     for kind in ("rvq_encode", "rvq_decode", "rvq_append", "rvq_append_res", "rvq_append_copy",
                  "rvq_append_inplace", "rvq_unpack", "rvq_attend_attend", "rvq_attend_merge", "rvq_attend_mma_fused"):
         assert any(n == kind or n.startswith(kind + "2") or n.startswith(kind + "1") for n in names), (kind, names)
@@ -134,7 +134,7 @@ def test_gpu_precompiled_kernels_equal_the_jit_kernels(monkeypatch, tmp_path):
     assert not failed, failed
 
 
-def _fresh_process(cache: Path, extra: str = "", before: str = "") -> dict:
+def _fresh_process(cache: Path, extra: str = "", before: str = "", env: dict | None = None) -> dict:
     code = f"""
 import hashlib, json, mlx.core as mx
 from rvqstore import RVQKVCache, kernel_cache, kernel_ref
@@ -150,7 +150,7 @@ mx.eval(c.state, out)
 {extra}
 print(json.dumps(dict(kernel_cache.stats, out=hashlib.sha256(bytes(memoryview(out.view(mx.uint16)))).hexdigest())))
 """
-    env = dict(os.environ, PYTHONPATH=python_path(ROOT), **{kernel_cache.ENV: str(cache)})
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT), **{kernel_cache.ENV: str(cache)}, **(env or {}))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -186,7 +186,8 @@ def test_gpu_where_mlx_does_not_find_the_reference_the_binaries_launch(tmp_path)
     fails to load, the binary's runs instead, with the same result, and later kernels go straight to it."""
     _cuda()
     good = _fresh_process(tmp_path / "kc1")
-    broken = _fresh_process(tmp_path / "kc2", before=(
+    # MLX reads an empty directory of its own; rvqstore publishes elsewhere
+    broken = _fresh_process(tmp_path / "kc2", env={"MLX_PTX_CACHE_DIR": str(tmp_path / "mlx-reads")}, before=(
         f"kernel_ref.mlx_cache_dir = lambda: __import__('pathlib').Path({str(tmp_path / 'elsewhere')!r})"))
     assert good["by_reference"] >= 4 and broken["by_reference"] == 0
     assert broken["jit_launches"] == 0 and broken["compiled"] == good["compiled"] and broken["out"] == good["out"]

@@ -71,7 +71,7 @@ def test_where_mlx_looks(monkeypatch, tmp_path):
 
 def test_publish_writes_the_module_mlx_would_look_for(mlx_dir):
     ref = kr.publish("rvq_k", BINARY)
-    assert ref is not None and len(ref) < 100 and ref.startswith("rvqstore-kernel:")
+    assert isinstance(ref, bytes) and len(ref) < 100 and ref.startswith(b"rvqstore-kernel:")
     base = mlx_dir / kr.module_name("rvq_k", ref)
     assert base.with_suffix(".ptx").read_bytes() == BINARY
     assert base.with_suffix(".txt").read_bytes() == b"rvq_k\trvq_k\n"
@@ -135,12 +135,15 @@ def cache(tmp_path, monkeypatch, mlx_dir):
 class _MLX:
     """MLX's precompiled launch and evaluation, recorded; ``fail`` says which sources do not load."""
 
-    def __init__(self, monkeypatch, fail=lambda source: False, tracing=False):
+    def __init__(self, monkeypatch, fail=lambda source: False, tracing=False, reject=lambda source: False):
         self.sources, self.evals, self.jit = [], 0, 0
         self.fail, self.tracing = fail, tracing
 
         def precompiled(**kw):
-            self.sources.append(kw["compiled_source"])
+            source = kw["compiled_source"]
+            if not isinstance(source, bytes) or reject(source):  # MLX's binding takes bytes only
+                raise TypeError("precompiled_cuda_kernel(): incompatible function arguments")
+            self.sources.append(source)
             return [mx.array([float(len(self.sources))])]
 
         def evaluate(*arrays):
@@ -174,7 +177,7 @@ def test_checked_configurations_launch_by_reference(cache, monkeypatch):
     for _ in range(3):
         _call(k)
     ref = m.sources[0]
-    assert isinstance(ref, str) and ref.startswith("rvqstore-kernel:") and m.sources == [ref] * 3
+    assert ref.startswith(b"rvqstore-kernel:") and ref != _binary(k) and m.sources == [ref] * 3
     assert m.evals == 1 and kc.stats["by_reference"] == 1 and not m.jit
     run = k.prepare([], (mx.float32,), [mx.float32])
     run([mx.array([1.0])], [(1,)], (32, 1, 1), (32, 1, 1))
@@ -187,17 +190,25 @@ def test_checked_configurations_launch_by_reference(cache, monkeypatch):
 
 
 def test_a_reference_mlx_does_not_find_gives_way_to_binaries_for_the_process(cache, monkeypatch):
-    m = _MLX(monkeypatch, fail=lambda source: isinstance(source, str))
+    m = _MLX(monkeypatch, fail=lambda source: source.startswith(b"rvqstore-kernel:"))
     k = _kernel()
     out = _call(k)
     binary = _binary(k)
-    assert len(m.sources) == 2 and isinstance(m.sources[0], str) and m.sources[1] == binary
+    assert len(m.sources) == 2 and m.sources[0].startswith(b"rvqstore-kernel:") and m.sources[1] == binary
     assert out[0].item() == 2.0  # what the binary's launch gave
     _call(k)
     assert m.sources[2] == binary and not kr.enabled() and kc.stats["by_reference"] == 0 and not m.jit
     k2 = _kernel("test_k2")
     _call(k2)  # another kernel: straight to its binary, nothing published
     assert m.sources[3] == _binary(k2) and len(m.sources) == 4
+
+
+def test_a_reference_mlx_refuses_at_the_launch_gives_way_too(cache, monkeypatch):
+    m = _MLX(monkeypatch, reject=lambda source: source.startswith(b"rvqstore-kernel:"))
+    k = _kernel()
+    _call(k)
+    _call(k)
+    assert m.sources == [_binary(k)] * 2 and not m.jit and not kr.enabled()
 
 
 def test_a_launch_failing_either_way_goes_to_mlx_s_jit_and_keeps_references_on(cache, monkeypatch):
@@ -217,7 +228,7 @@ def test_inside_a_transformation_the_binary_goes_back_unchecked(cache, monkeypat
     assert kr.enabled() and not k._checked
     m.tracing = False
     _call(k)  # outside: checked now, by reference
-    assert isinstance(m.sources[2], str) and kc.stats["by_reference"] == 1
+    assert m.sources[2].startswith(b"rvqstore-kernel:") and kc.stats["by_reference"] == 1
 
 
 def test_shared_directory_means_binaries_from_the_start(cache, monkeypatch, mlx_dir):

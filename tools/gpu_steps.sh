@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: ref-tests gen-ref attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
+#   steps: ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -28,6 +28,11 @@ for s in "$@"; do
   case $s in
     ref-tests) RVQ_KERNEL_CACHE_PARITY_REPORT=$OUT/parity-kernel-cache.txt step ref-tests 300 \
         $py -m pytest -q -rfE -p no:cacheprovider tests/test_kernel_cache_gpu.py tests/test_kernel_ref.py ;;
+    ref-broken) step ref-broken 120 $py -m pytest -q -rfE -p no:cacheprovider tests/test_kernel_cache_gpu.py \
+        -k "does_not_find or second_process" ;;
+    gen-ref-long) step gen-ref-long 330 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@binary,packed-4+2,packed-4+2@binary --steps 8 --rounds 6 \
+        --contexts 1024,8192,32768 --json "$OUT/gen-ref-long.json" --md "$OUT/gen-ref-long.md" ;;
     gen-ref) step gen-ref 330 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@binary,packed-4+2,packed-4+2@binary,resident-2+2,resident-2+2@binary \
         --steps 4 --rounds 3 --contexts 1024,8192,32768 --json "$OUT/gen-ref.json" --md "$OUT/gen-ref.md" ;;
