@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
+#   steps: gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -26,6 +26,13 @@ step() {  # step NAME LIMIT_S CMD...: the command's output, status and seconds a
 
 for s in "$@"; do
   case $s in
+    gen-final-ref) step gen-final-ref 300 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@fuse,packed-2+2@binary,packed-4+2,packed-4+2@fuse,resident-2+2 \
+        --steps 8 --rounds 5 --contexts 1024,8192,32768 --resume --resume-rounds 2 --tmp "$tmp" \
+        --json "$OUT/gen-final-ref.json" --md "$OUT/gen-final-ref.md" ;;
+    gen-128k-ref) step gen-128k-ref 240 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@fuse,packed-4+2 --steps 6 --rounds 3 --contexts 131072 \
+        --json "$OUT/gen-128k-ref.json" --md "$OUT/gen-128k-ref.md" ;;
     ref-tests) RVQ_KERNEL_CACHE_PARITY_REPORT=$OUT/parity-kernel-cache.txt step ref-tests 300 \
         $py -m pytest -q -rfE -p no:cacheprovider tests/test_kernel_cache_gpu.py tests/test_kernel_ref.py ;;
     ref-broken) step ref-broken 120 $py -m pytest -q -rfE -p no:cacheprovider tests/test_kernel_cache_gpu.py \
@@ -68,7 +75,7 @@ for s in "$@"; do
         --arms kv,packed-2+2,packed-2+2@fuse,packed-4+2 --steps 4 --rounds 2 --contexts 131072 \
         --json "$OUT/gen-128k-fused.json" --md "$OUT/gen-128k-fused.md" ;;
     attn-layers) step attn-layers 240 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 2+2,4+2 \
-        --rounds 7 --k 8 --layers 4 --json "$OUT/attention-layers.json" ;;
+        --rounds 5 --k 8 --layers 4 --json "$OUT/attention-layers.json" ;;
     attn) step attn 240 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
         --rounds 7 --k 10 --variants simt,mma --json "$OUT/attention.json" ;;
     gen-mma) step gen-mma 300 env RVQSTORE_TENSOR_CORES=1 $py "${gen[@]}" --contexts 1024,8192,32768 --kernel mma \
