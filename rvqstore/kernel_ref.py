@@ -16,8 +16,10 @@ reference loads the same code, and each node copies and hashes ~90 bytes.
 This leans on how MLX names and finds modules, which MLX does not promise, so it is checked where it is
 used: :class:`rvqstore.kernel_cache.CudaKernel` evaluates a configuration's first launch by reference
 and, if that fails (no such file found, another naming), launches the binary from then on, for every
-kernel of the process (:func:`give_up`). The directory must be ours and writable by us alone (anyone
-else who could write there could swap the code we launch); otherwise no reference is published.
+kernel of the process (:func:`give_up`). The directory must be ours and writable by us alone, and each
+folder above it writable by no one else or sticky (anyone who could write there could swap the code we
+launch); a group-writable one passes where the group is the user's own (a umask of 002 on systems with
+user private groups). Otherwise no reference is published and kernels launch with their binaries.
 
 ``RVQSTORE_KERNEL_REF=0`` (or ``off``) never launches by reference; :data:`BY_REFERENCE` switches
 between the two for configurations already checked (the benchmarks' ``binary`` variant).
@@ -90,14 +92,41 @@ def mlx_cache_dir() -> Path:
     return Path(temp) / "mlx" / mx.__version__ / "ptx"
 
 
+def _private_group(gid: int) -> bool:
+    """Group ``gid`` is this user's own (the user-private-group convention: named as the user, no other
+    members), as a umask of 002 leaves directories group-writable on such systems."""
+    try:
+        import grp
+        import pwd
+
+        user = pwd.getpwuid(os.getuid())
+        group = grp.getgrgid(gid)
+    except (ImportError, KeyError):
+        return False
+    return gid == user.pw_gid and group.gr_name == user.pw_name and not group.gr_mem
+
+
+def _only_we_write(st: os.stat_result) -> bool:
+    return not st.st_mode & stat.S_IWOTH and (not st.st_mode & stat.S_IWGRP or _private_group(st.st_gid))
+
+
 def _private(d: Path) -> bool:
-    """``d`` is a real directory of ours that nobody else can write."""
+    """``d`` is a real directory of ours that nobody else can write, nor swap: each folder above it is
+    ours or root's and writable by no one else, or sticky (as ``/tmp``: others cannot rename what is ours)."""
     try:
         st = os.lstat(d)
     except OSError:
         return False
-    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
-            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+    if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and _only_we_write(st)):
+        return False
+    for up in Path(os.path.abspath(d)).parents:
+        try:
+            st = os.stat(up)
+        except OSError:
+            return False
+        if st.st_uid not in (0, os.getuid()) or not (st.st_mode & stat.S_ISVTX or _only_we_write(st)):
+            return False
+    return True
 
 
 def _write(path: Path, data: bytes) -> None:

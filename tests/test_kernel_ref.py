@@ -106,6 +106,41 @@ def test_no_reference_into_a_shared_or_foreign_directory(mlx_dir, tmp_path, monk
     assert kr.publish("rvq_k", BINARY) is None
 
 
+def test_a_group_writable_directory_is_private_only_with_the_user_s_own_group(mlx_dir, monkeypatch):
+    mlx_dir.mkdir(parents=True)
+    os.chmod(mlx_dir, 0o775)  # what a umask of 002 makes
+    monkeypatch.setattr(kr, "_private_group", lambda gid: False)
+    assert kr.publish("rvq_k", BINARY) is None
+    monkeypatch.setattr(kr, "_private_group", lambda gid: gid == os.stat(mlx_dir).st_gid)
+    assert kr.publish("rvq_k", BINARY) is not None
+
+
+def test_a_folder_above_that_others_can_write_refuses_unless_sticky(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    d = shared / "mlx" / "ptx"
+    d.mkdir(parents=True)
+    monkeypatch.setattr(kr, "mlx_cache_dir", lambda: d)
+    os.chmod(shared, 0o777)  # anyone could rename mlx/ and put their own in its place
+    assert kr.publish("rvq_k", BINARY) is None
+    os.chmod(shared, 0o1777)  # as /tmp: sticky, others cannot rename what is ours
+    assert kr.publish("rvq_k", BINARY) is not None
+    os.chmod(shared, 0o755)
+
+
+def test_the_user_private_group_convention(monkeypatch):
+    import grp
+    import pwd
+
+    user = pwd.getpwuid(os.getuid())
+    own = type("G", (), {"gr_name": user.pw_name, "gr_mem": []})()
+    shared = type("G", (), {"gr_name": user.pw_name, "gr_mem": ["someone"]})()
+    other = type("G", (), {"gr_name": "staff", "gr_mem": []})()
+    for group, want in ((own, True), (shared, False), (other, False)):
+        monkeypatch.setattr(grp, "getgrgid", lambda gid, g=group: g)
+        assert kr._private_group(user.pw_gid) is want
+    assert kr._private_group(user.pw_gid + 12345) is False  # not the user's primary group
+
+
 def test_no_reference_when_switched_off_or_unwritable(mlx_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(kr.ENV, "0")
     assert kr.publish("rvq_k", BINARY) is None and not mlx_dir.exists()
