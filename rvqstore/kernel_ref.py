@@ -31,11 +31,12 @@ import hashlib
 import logging
 import os
 import stat
-import tempfile
 import threading
 from pathlib import Path
 
 import mlx.core as mx
+
+from . import user_cache
 
 log = logging.getLogger("rvqstore.kernels")
 
@@ -130,28 +131,19 @@ def _private(d: Path) -> bool:
 
 
 def _write(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` (atomically), unless the file holds it already."""
     if path.is_file() and not path.is_symlink():
         try:
             if path.read_bytes() == data:
                 return
         except OSError:
             pass
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".rvqstore-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    user_cache.atomic_write(path, data)
 
 
 def publish(symbol: str, binary: bytes) -> bytes | None:
-    """A short source (bytes, as MLX takes the binary) that launches ``binary``'s ``symbol`` through MLX's module cache, or None (switched
-    off, given up, or the cache directory is missing, not ours, or shared)."""
+    """A short source (bytes, as MLX takes the binary) that launches ``binary``'s ``symbol`` through MLX's
+    module cache, or None (switched off, given up, or the cache directory is missing, not ours, or shared)."""
     if not enabled():
         return None
     digest = hashlib.sha256(binary).hexdigest()
