@@ -185,6 +185,7 @@ class RVQCodec:
         self._rotate_fn = mx.compile(self._rotate_reference)
         self._bounds: dict = {}  # dtype -> max_scale as a float32 array (rotate)
         self._same: dict[int, tuple["RVQCodec", bool]] = {}  # id(other) -> (other, same_code)
+        self._scale_bits: dict = {}  # dtype -> (limit pattern, its mx.uint16 constants), for check_scales
         self._unrotate_fns: dict = {}
         self._quantize_fn = mx.compile(self._quantize_reference)
         self._dequantize_fn = mx.compile(self._dequantize_reference)
@@ -244,14 +245,31 @@ class RVQCodec:
             raise InputShapeError(f"scales must be a bfloat16 mx.array, got {getattr(scales, 'dtype', type(scales))}")
         if scales.size == 0:
             return
-        s = scales.astype(mx.float32)
-        bad = ~mx.isnan(s) & ~((s >= 0) & (s <= self.max_scale(dtype)))
-        n_bad = int(mx.sum(bad).item())
-        if n_bad:
-            first = float(s.reshape(-1)[int(mx.argmax(bad.reshape(-1)).item())].item())
-            raise InvalidScaleError(f"{n_bad} scale(s) are neither NaN nor in [0, {self.max_scale(dtype):.6g}] "
-                                    f"(vectors would decode beyond {_DTYPE_NAMES[dtype]}'s range), "
-                                    f"first {first!r}")
+        if bool(mx.any(self.refused_scales(scales, dtype)).item()):
+            s = scales.astype(mx.float32).reshape(-1)
+            bad = self.refused_scales(scales, dtype).reshape(-1)
+            first = float(s[int(mx.argmax(bad).item())].item())
+            raise InvalidScaleError(f"{int(mx.sum(bad).item())} scale(s) are neither NaN nor in "
+                                    f"[0, {self.max_scale(dtype):.6g}] (vectors would decode beyond "
+                                    f"{_DTYPE_NAMES[dtype]}'s range), first {first!r}")
+
+    def refused_scales(self, scales: mx.array, dtype: mx.Dtype) -> mx.array:
+        """Where bfloat16 ``scales`` are neither NaN nor in ``[0, max_scale(dtype)]`` (bools, same shape).
+
+        On the bit patterns (a load checks every scale of a file): non-negative bfloat16 values order as
+        their patterns do, so the refused ones are the patterns in ``(limit, 0x7F80]`` (above the bound, and
+        +Inf) and in ``(0x8000, 0xFF80]`` (negative non-zero, and -Inf); -0.0 and NaN patterns pass. Each
+        range is one wrapping uint16 subtraction and one compare. ``limit``: the largest pattern whose value
+        is ``<= max_scale`` as float32, the comparison MLX makes between a bfloat16 array cast to float32
+        and a Python float."""
+        c = self._scale_bits.get(dtype)
+        if c is None:
+            values = (np.arange(0x7F81, dtype=np.uint32) << 16).view(np.float32)
+            limit = int(np.nonzero(values <= np.float32(self.max_scale(dtype)))[0].max())
+            c = self._scale_bits[dtype] = tuple(mx.array(v, dtype=mx.uint16) for v in
+                                                (limit + 1, 0x7F80 - limit, 0x8001, 0x7F80))
+        u = scales.view(mx.uint16)
+        return ((u - c[0]) < c[1]) | ((u - c[2]) < c[3])
 
     @property
     def bits_per_coordinate(self) -> float:

@@ -115,3 +115,24 @@ def test_file_with_an_out_of_range_scale_fails_verify_and_load(tmp_path, bad):
     with open_rvq(good) as f:
         f.verify(decode=decode_layers)
     assert load_prompt_cache(good)[0].offset == 6
+
+
+@pytest.mark.parametrize("bits,residual", CONFIGS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_bit_pattern_check_is_the_rule_on_every_bfloat16(bits, residual, dtype):
+    """refused_scales works on bit patterns; on all 65,536 bfloat16 values it refuses exactly what the
+    rule's float comparison (NaN, or 0 <= s <= max_scale) refuses."""
+    codec = RVQCodec(64, bits, residual=residual)
+    every = mx.array(np.arange(1 << 16, dtype=np.uint16)).view(mx.bfloat16)
+    s = every.astype(mx.float32)
+    rule = ~mx.isnan(s) & ~((s >= 0) & (s <= codec.max_scale(dtype)))
+    got = codec.refused_scales(every, dtype)
+    assert got.dtype == mx.bool_ and bool(mx.array_equal(got, rule).item())
+    n = int(mx.sum(rule).item())
+    assert 0x8000 < n < 0x10000 - 2 * 0x7F  # every negative non-zero, both infinities, the values above the bound
+
+
+def test_a_refused_scale_is_named_in_the_error():
+    codec = RVQCodec(64, (4, 2))
+    with pytest.raises(InvalidScaleError, match=r"^2 scale\(s\) .* first -1\.0$"):
+        codec.check_scales(_bf16([[1.0, -1.0], [np.nan, np.inf]]), mx.float16)
