@@ -427,7 +427,7 @@ class CudaKernel:
                     func, tu = self.source_for(template, in_dtypes, out_dtypes)
                     entry = get_binary(tu, func)
                     entry = entry + (entry[1],)
-                    host_malloc.tune()  # each launch copies the binary into its node: keep those pages mapped
+                    host_malloc.tune()  # a launch with the binary copies it into its node: keep those pages mapped
                 except Exception as err:  # no NVRTC, headers, a compile error: MLX's JIT path instead
                     log.info("kernel cache: %s compiled by MLX instead (%s: %s)", self.name, type(err).__name__,
                              str(err)[:300])
