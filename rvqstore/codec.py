@@ -265,7 +265,9 @@ class RVQCodec:
         c = self._scale_bits.get(dtype)
         if c is None:
             values = (np.arange(0x7F81, dtype=np.uint32) << 16).view(np.float32)
-            limit = int(np.nonzero(values <= np.float32(self.max_scale(dtype)))[0].max())
+            with np.errstate(over="ignore"):  # a bound past float32's range is +Inf there, as in MLX's compare
+                bound = np.float32(self.max_scale(dtype))
+            limit = int(np.nonzero(values <= bound)[0].max())
             c = self._scale_bits[dtype] = tuple(mx.array(v, dtype=mx.uint16) for v in
                                                 (limit + 1, 0x7F80 - limit, 0x8001, 0x7F80))
         u = scales.view(mx.uint16)
