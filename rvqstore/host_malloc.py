@@ -8,7 +8,9 @@ a node's build cost grow by ~0.6 us per KB of binary (``tools/bench_launch_overh
 ``tools/results/launch-overhead-h200.json``), ~1 ms of a 32-layer step. Raising glibc's trim threshold (and
 padding the heap's growth) keeps those pages mapped for reuse.
 
-:func:`tune` is called once, at the first precompiled CUDA launch of rvqstore's kernel cache; it changes the
+Launches by reference (:mod:`rvqstore.kernel_ref`, the default) copy ~90 bytes instead, so :func:`tune` is
+called only where a configuration launches with its binary (a first launch by reference that failed, or
+references off), once per process; it changes the
 process's allocator (freed heap memory up to ``TRIM_THRESHOLD`` bytes stays with the process), so it is
 switchable: ``RVQSTORE_MALLOC_TUNE=0`` leaves glibc's settings alone. Elsewhere (no glibc, macOS, musl) it
 does nothing.

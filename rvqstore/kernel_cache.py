@@ -427,7 +427,6 @@ class CudaKernel:
                     func, tu = self.source_for(template, in_dtypes, out_dtypes)
                     entry = get_binary(tu, func)
                     entry = entry + (entry[1],)
-                    host_malloc.tune()  # a launch with the binary copies it into its node: keep those pages mapped
                 except Exception as err:  # no NVRTC, headers, a compile error: MLX's JIT path instead
                     log.info("kernel cache: %s compiled by MLX instead (%s: %s)", self.name, type(err).__name__,
                              str(err)[:300])
@@ -500,6 +499,7 @@ class CudaKernel:
             raise
         if failed:  # the binary loads where its reference did not: MLX does not find modules as we expect
             kernel_ref.give_up(failed)
+        host_malloc.tune()  # later launches copy the binary into their nodes: keep those pages mapped
         self._checked.add(key)
         return out
 

@@ -274,3 +274,16 @@ def test_shared_directory_means_binaries_from_the_start(cache, monkeypatch, mlx_
     _call(k)
     _call(k)
     assert m.sources == [_binary(k)] * 2 and m.evals == 1
+
+
+def test_glibc_is_tuned_only_where_binaries_launch(cache, monkeypatch):
+    from rvqstore import host_malloc
+
+    tuned = []
+    monkeypatch.setattr(host_malloc, "tune", lambda: tuned.append(1) or True)
+    _MLX(monkeypatch)
+    _call(_kernel())
+    assert not tuned  # by reference: each node copies ~90 bytes, the heap is left alone
+    _MLX(monkeypatch, fail=lambda source: source.startswith(b"rvqstore-kernel:"))
+    _call(_kernel("test_k2"))
+    assert tuned == [1]

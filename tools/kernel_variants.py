@@ -12,7 +12,7 @@ off); ``default`` = the modules' own settings. The SIMT layouts apply where the 
 
 from __future__ import annotations
 
-from rvqstore import kernel_ref
+from rvqstore import host_malloc, kernel_ref
 from rvqstore.attention import kernel, kernel_mma
 
 VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False, "VALUE_COORDS": 4},
@@ -36,6 +36,8 @@ def settings(name: str) -> dict:
 def apply(name: str) -> dict:
     """Set variant ``name``; returns the previous values (for :func:`restore`)."""
     new = settings(name)
+    if new.get("BY_REFERENCE") is False:  # binaries launched as rvqstore launches them without references
+        host_malloc.tune()
     old = {k: getattr(_MODULE.get(k, kernel), k) for k in new}
     for k, v in new.items():
         setattr(_MODULE.get(k, kernel), k, v)

@@ -177,8 +177,8 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: fl
 #: serve fast-path calls (no window, no sinks) with one launch, the merge fused into the split kernel
 #: (:func:`launch_fused`), instead of the split kernel and the merge kernel (two launches; the results agree up to
 #: the order of one sum: tests/test_attention_mma_gpu.py). Off unless RVQSTORE_FUSED_MERGE=1: on the H200 it made
-#: no measurable difference to a decode step in two sessions' same-run comparisons (docs/attention.md, "The merge
-#: fused"), and its binary is larger (MLX copies and hashes a kernel's binary at every launch)
+#: no measurable difference to a decode step in three same-run comparisons, the last with kernels launched by
+#: reference (docs/attention.md, "The merge fused", "Launching kernels by reference")
 FUSED_MERGE = os.environ.get("RVQSTORE_FUSED_MERGE", "0").strip() == "1"
 #: slots in a ring of the fused merge's counters, per stream and heads count: a launch takes the next slot and
 #: leaves it zeroed behind. Two launches that run at once must not share one; MLX runs the kernels of one CUDA
