@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import attention, cache_modes, cache_state, cache_steps
+from . import attention, cache_modes, cache_state, cache_steps, decode_step
 from .codec import _FLOAT_DTYPES, DEFAULT_BITS, DTYPE_BY_NAME, EncodedVectors, RVQCodec, _parse_bits, checked_step
 from .errors import CodecConfigError, InputShapeError, InvalidArgumentError
 
@@ -352,6 +352,7 @@ class RVQKVCache:
         self._checked_shapes: tuple | None = None  # (keys, values) shapes of the last update that passed check_update
         self._step_fns: dict = {}  # rvqstore.cache_steps functions of this cache's codec and dtype
         self._state = state  # sink tokens and key mean (rvqstore.cache_state); None when both are off
+        self._decode_step = None  # the steady decode step's bound launches (rvqstore.decode_step)
         attention.install()  # mlx-lm's attention calls reach attend_on_codes (rvqstore.attention.hook)
         if state is not None:
             register_with_mlx_lm()  # its mlx-lm prompt-cache files load back (from_state)
@@ -434,6 +435,11 @@ class RVQKVCache:
     # ---- the mlx-lm protocol ------------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` of shape (B, H, T, D) and return all keys/values so far."""
+        step = self._decode_step  # a steady decode step's launches, bound (rvqstore.decode_step)
+        if step is not None and decode_step.ENABLED:
+            kv = step.update(self, keys, values)
+            if kv is not None:
+                return kv
         self._init_geometry(keys, values)
         t = keys.shape[2]
         if t == 0:  # as mlx-lm's KVCache: nothing appended, the (possibly empty) history returned
@@ -451,7 +457,11 @@ class RVQKVCache:
                 self._take(keys, values, body)
         self.offset += t
         self._mode.extend(self, start_coded)  # resident: the decoded copy of the newly coded tokens
-        return self._handed_out(self._fetch())
+        kv = self._handed_out(self._fetch())
+        if t == 1 and self._keys._count is not None and decode_step.ENABLED and self._state is None \
+                and self.dense_window == 0:  # this step was written in place: bind it for the next ones
+            decode_step.bind_update(self, keys, values)
+        return kv
 
     def _take(self, keys: mx.array, values: mx.array, body: int) -> None:
         """Code ``keys``/``values`` (or keep them in the window), ``body`` positions after the sink held."""
@@ -607,7 +617,17 @@ class RVQKVCache:
             if sinks is not None and self._state.mean32 is not None:
                 return None  # learned attention sinks do not shift with the keys: decode-then-SDPA
             mask = self._state.attention_mask(mask, queries.shape[2], self.n_coded, self.n_dense)
-        return attention.attend(self.codes_view(), queries, scale, mask, sinks, use_kernels=self.use_kernels)
+        step = self._decode_step
+        if step is not None and decode_step.ENABLED:
+            out = step.attend(self, queries, scale, mask, sinks)
+            if out is not None:
+                return out
+        view = self.codes_view()
+        out = attention.attend(view, queries, scale, mask, sinks, use_kernels=self.use_kernels)
+        if step is not None and out is not None and sinks is None and (mask is None or (type(mask) is str
+                                                                                     and mask == "causal")):
+            decode_step.bind_attention(self, view, queries, scale)  # served by the kernels: bind them
+        return out
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """The decoded keys and values held (decoding the codes in packed mode)."""

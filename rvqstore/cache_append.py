@@ -36,6 +36,7 @@ import numpy as np
 from . import first_use, fused, kernel_cache
 from .attention.launch_args import shared_count
 from .codec import EncodedVectors
+from .device_memory import copy_bits
 from .kernel_plan import DECODE, ENCODE, make_plan
 
 
@@ -293,10 +294,18 @@ def launch_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, 
     return c([keys, values, *c.consts, count, *key_buffers, *value_buffers])[0]
 
 
-def _copy(a: mx.array) -> mx.array:
-    """A copy of ``a`` in new memory, bit for bit (NaN payloads kept: integer ops on its bits)."""
-    bits = mx.uint32 if a.dtype.size == 4 else mx.uint16
-    return (a.view(bits) | 0).view(a.dtype)
+def bind_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple):
+    """What :func:`launch_inplace` hands MLX for steps like this one, for a caller that repeats it
+    (:mod:`rvqstore.decode_step`): ``(run, inputs, shapes, grid, threadgroup)``, the launch being
+    ``run(inputs, shapes, grid, threadgroup)`` once the caller put in the step's keys, values and count
+    (inputs 0, 1 and 7). None until this configuration's first use passed and a launch prepared it."""
+    s = _setup(codec)
+    if s is None or not INPLACE or s.config(keys.dtype, False, "inplace") not in _verified:
+        return None
+    c = s.inplace_call(codec, keys, values, key_buffers[0].shape[-1])
+    if c.run is None:
+        return None
+    return c.run, [keys, values, *c.consts, None, *key_buffers, *value_buffers], c.shapes, c.grid, c.threadgroup
 
 
 def append_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple, n: int,
@@ -311,7 +320,7 @@ def append_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, 
     config = s.config(keys.dtype, False, "inplace")
     if config not in _verified:
         mx.eval(count)  # a pending write finished before the copies read the buffers
-        kb, vb = tuple(_copy(a) for a in key_buffers), tuple(_copy(a) for a in value_buffers)
+        kb, vb = tuple(copy_bits(a) for a in key_buffers), tuple(copy_bits(a) for a in value_buffers)
         before = (*key_buffers, *value_buffers)  # the check writes into the copies only
         mx.eval(kb, vb)
         t = keys.shape[2]

@@ -105,6 +105,24 @@ def launch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype,
     return out[0], out[1]
 
 
+def bind(codec, key_buffers: tuple, value_buffers: tuple, dtype) -> tuple | None:
+    """What :func:`launch` hands MLX for these buffers, for a caller that repeats it every step
+    (:mod:`rvqstore.decode_step`): ``(run, inputs, threadgroup)``, the launch being ``run(inputs,
+    [(B, H, n, D)] * 2, (2 * B * H * n * D, 1, 1), threadgroup)`` once the caller put in the count
+    ``[n]`` (input 8). None until this configuration's first use passed and a launch prepared it."""
+    s = _setup(codec)
+    if s is None:
+        return None
+    config = s.configs.get(dtype)
+    if config is None or config not in _verified or config in _disabled:
+        return None
+    c = s.call(key_buffers[0].shape, dtype)
+    if c.run is None:
+        return None
+    signs, dtab, args = c.consts
+    return c.run, [*key_buffers, *value_buffers, signs, dtab, None, args], c.threadgroup
+
+
 def fetch(codec, key_buffers: tuple, value_buffers: tuple, n: int, dtype,
           count: mx.array | None = None) -> tuple | None:
     """``(keys, values)`` decoded from the buffers by one launch, or None (no CUDA device, a

@@ -193,16 +193,35 @@ def test_hook_install_is_idempotent_and_uninstall_restores():
 
 
 def test_greedy_smollm2_matches_decode_then_sdpa(smollm2, sample_tokens):
-    """64 greedy tokens on the bundled model: attention on codes == decode-then-SDPA, token for token."""
+    """64 greedy tokens on the bundled model: at every step, attention on codes and decode-then-SDPA over the
+    same cache give the same token, and logits within 1e-4 (a step's own token may code differently in the
+    later layers, from the earlier layers' last-bit differences: then within 0.05; seen 2 steps in 64, 0.01).
+
+    In lockstep (each step taken with decode-then-SDPA, trimmed back, then taken on the codes, which the
+    generation continues from), not as two free runs: in two runs the last-bit differences of the two
+    formulations change the next layers' keys by ~1e-6, which now and then moves one across a quantization
+    boundary; from that token on the runs hold different codes (measured on this prompt: every logit within
+    3e-5 for 21 steps, then a value code of layer 5 differs and the logits by 0.06-0.5), and whether a token
+    then differs depends on the machine's BLAS. Here both formulations always read the same codes."""
     from rvqstore import make_prompt_cache
-    from rvqstore.generation import greedy_tokens
+    from rvqstore.generation import prefill
 
     model, _ = smollm2
-    prompt = sample_tokens[:96]
-    on_codes = list(greedy_tokens(model, make_prompt_cache(model), prompt, 64))
-    with hook.bypass():
-        reference = list(greedy_tokens(model, make_prompt_cache(model), prompt, 64))
-    assert len(on_codes) == 64 and on_codes == reference
+    cache = make_prompt_cache(model)
+    logits = prefill(model, sample_tokens[:96], cache)
+    diffs = []
+    for _ in range(64):
+        y = mx.argmax(logits, axis=-1)
+        with hook.bypass():
+            reference = model(y[:, None], cache=cache)[:, -1, :]
+            mx.eval(reference)
+        for c in cache:
+            c.trim(1)
+        logits = model(y[:, None], cache=cache)[:, -1, :]
+        assert int(mx.argmax(logits, axis=-1).item()) == int(mx.argmax(reference, axis=-1).item())
+        diffs.append(float(mx.abs(logits - reference).max().item()))
+    assert sum(d < 1e-4 for d in diffs) >= 0.9 * len(diffs) and max(diffs) < 0.05, diffs
+    assert cache[0].offset == 96 + 64 and cache[0].mode == "packed"
 
 
 def test_resumed_packed_cache_attends_from_the_files_codes(tmp_path):

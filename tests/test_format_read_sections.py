@@ -139,3 +139,43 @@ def test_small_files_are_read_in_turn(mixed, monkeypatch, reader_threads):
         with F.open_rvq(path) as f:
             f.read_sections([s.name for s in h.sections])
         assert (len(seen) == 1) if threads == 1 else (len(seen) > 1)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_then_takes_each_section_in_the_callers_thread_as_it_comes(mixed, monkeypatch, threads):
+    """``then`` (the loader's device copies) sees every section once, in this thread, and its results are
+    what comes back; sections read in this thread reach it before the pool's are waited for."""
+    from rvqstore.device_memory import copy_bits
+
+    path, h = mixed
+    monkeypatch.setattr(R, "READ_THREADS", threads)
+    names = [s.name for s in h.sections]
+    codec = {s.name: s.codec for s in h.sections}
+    seen, made = [], []
+
+    def then(a):
+        seen.append((threading.get_ident(), a.shape, a.dtype))
+        made.append(copy_bits(a))
+        return made[-1]
+
+    with F.open_rvq(path) as f:
+        got = f.read_sections(names, as_mx=True, then=then)
+        want = [f.read_section_mx(n) for n in names]
+    assert {t for t, _, _ in seen} == {threading.get_ident()} and len(seen) == len(names)
+    assert all(g.dtype == w.dtype and mx.array_equal(g, w) for g, w in zip(got, want))
+    assert sum(any(g is m for m in made) for g in got) == sum(g.dtype != mx.bfloat16 for g in got)
+    if threads > 1:  # the raw ones first (read here), then the pool's in name order
+        raw = [w.shape for n, w in zip(names, want) if codec[n] == "raw"]
+        assert [shape for _, shape, _ in seen[:len(raw)]] == raw
+
+
+def test_then_is_not_called_past_the_first_error(mixed, monkeypatch):
+    path, h = mixed
+    monkeypatch.setattr(R, "READ_THREADS", 4)
+    names = [s.name for s in h.sections]
+    raw = [s.name for s in h.sections if s.codec == "raw"]
+    _damage(path, h, raw[0])
+    calls = []
+    with F.open_rvq(path) as f, pytest.raises(ChecksumMismatchError, match=f"section '{raw[0]}'"):
+        f.read_sections(names, then=lambda a: calls.append(a) or a)
+    assert len(calls) < len(names)

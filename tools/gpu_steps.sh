@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step suite
+#   steps: gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -93,6 +93,7 @@ for s in "$@"; do
         --json "$OUT/profile-resume.json" ;;
     profile-step) step profile-step 150 $py tools/profile_step.py --context 32768 --arms kv,packed-2+2 --steps 6 \
         --rounds 2 --profile --json "$OUT/profile-step.json" ;;
+    host) step host 150 $py tools/profile_host.py --rounds 12 --attention-launches --json "$OUT/host-build-h200.json" ;;
     suite) step suite 560 $py -m pytest -v --tb=short -p no:cacheprovider -n 15 --durations=20 ;;
     *) echo "unknown step $s" | tee -a "$log" ;;
   esac

@@ -7,21 +7,22 @@ the key phase; ``simt`` = the SIMT kernel where the tensor-core one would serve 
 (kernel_mma.STRIDED off; implies ``mma``); ``fuse`` = the tensor-core split kernel with the merge fused into it, one
 launch (kernel_mma.FUSED_MERGE on); ``nofuse`` = the split kernel and the merge kernel, two launches (the default);
 ``binary`` = every precompiled kernel launched with its whole binary, not by reference (kernel_ref.BY_REFERENCE
-off); ``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
+off); ``unbound`` = no decode step bound, every step through the regular paths (decode_step.ENABLED off);
+``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
 ``simt`` for fp16 calls on CUDA."""
 
 from __future__ import annotations
 
-from rvqstore import host_malloc, kernel_ref
+from rvqstore import decode_step, host_malloc, kernel_ref
 from rvqstore.attention import kernel, kernel_mma
 
 VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False, "VALUE_COORDS": 4},
             "nopair": {"PAIR_TABLES": False}, "nostage": {"STAGE_CODES": False}, "v4": {"VALUE_COORDS": 4},
             "v8": {"VALUE_COORDS": 8}, "simt": {"TENSOR_CORES": False}, "mma": {"TENSOR_CORES": True},
             "chunked": {"TENSOR_CORES": True, "STRIDED": False}, "fuse": {"FUSED_MERGE": True}, "nofuse": {"FUSED_MERGE": False},
-            "binary": {"BY_REFERENCE": False}, "default": {}}
+            "binary": {"BY_REFERENCE": False}, "unbound": {"ENABLED": False}, "default": {}}
 _MODULE = {"TENSOR_CORES": kernel_mma, "STRIDED": kernel_mma, "FUSED_MERGE": kernel_mma,
-           "BY_REFERENCE": kernel_ref}  # settings that live outside kernel.py
+           "BY_REFERENCE": kernel_ref, "ENABLED": decode_step}  # settings that live outside kernel.py
 
 
 def settings(name: str) -> dict:

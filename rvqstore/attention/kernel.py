@@ -271,23 +271,41 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: 
     return out[0], out[1]
 
 
+def _bind_split(view: CodesView, q: mx.array, dialect: str, scale: float) -> tuple | None:
+    """:func:`launch`'s CUDA launch of raw queries like ``q`` (one query per head, no causal mask) as
+    ``(run, inputs, shapes, grid, threadgroup, 0, 9)``: the queries and the count left for the caller."""
+    b, h, l, dk = q.shape
+    ks, k1, k2 = view.key_buffers
+    vs, v1, v2 = view.value_buffers
+    p = _launch_plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, dk, l, False, scale, q.dtype)
+    if dialect != "cuda" or p.run is None:
+        return None
+    inputs = [None, p.qsg, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.tab, None, p.params]
+    return p.run, inputs, p.shapes, p.grid, _THREADGROUP, 0, 9
+
+
 _merges: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # value codec -> {config: arguments}
 
 
-def merge(view: CodesView, o: mx.array, ml: mx.array, shape: tuple, dtype, dialect: str) -> mx.array:
-    """The merge kernel: splits -> normalized, un-rotated output ``shape`` = (B, Hq, L, Dv) in ``dtype``."""
+def _merge_args(view: CodesView, o_shape: tuple, shape: tuple, dtype) -> list:
     vc = view.value_codec
     per = _merges.get(vc)
     if per is None:
         per = _merges[vc] = {}
-    key = (tuple(shape), tuple(o.shape), view.n_kv_heads, dtype)
+    key = (tuple(shape), tuple(o_shape), view.n_kv_heads, dtype)
     args = per.get(key)
     if args is None:
         b, hq, l, dv = shape
-        bh, splits, rows, _ = o.shape
+        bh, splits, rows, _ = o_shape
         args = per[key] = [_folded_signs(vc, 1.0 / dv), _static((splits, hq // view.n_kv_heads, l)),
                            [("T_DV", dv), ("T_R", rows), ("OutT", dtype)], (bh * rows * dv, 1, 1), (dv, 1, 1),
                            [tuple(shape)], [dtype], None]
+    return args
+
+
+def merge(view: CodesView, o: mx.array, ml: mx.array, shape: tuple, dtype, dialect: str) -> mx.array:
+    """The merge kernel: splits -> normalized, un-rotated output ``shape`` = (B, Hq, L, Dv) in ``dtype``."""
+    args = _merge_args(view, o.shape, shape, dtype)
     inputs = [o, ml, args[0], args[1]]
     if dialect == "metal":
         return _kernel(dialect, "merge")(inputs=inputs, template=args[2], grid=args[3], threadgroup=args[4],
@@ -438,6 +456,37 @@ def attend(view: CodesView, queries: mx.array, scale: float, mask, sinks) -> mx.
         log.warning("attention kernel (%s) switched off; using the MLX-ops formulation: %s", dialect, err)
         return None
     return out if out is not None else combine(view, queries, scale, o, ml, mask, sinks)
+
+
+def settings() -> tuple:
+    """The switches a call's decision and plans depend on (a bound call holds only while they stay)."""
+    return (KEY_LANES, PAIR_TABLES, STAGE_CODES, VALUE_COORDS, kernel_mma.TENSOR_CORES, kernel_mma.FUSED_MERGE,
+            kernel_mma.PROBE, kernel_mma.TARGET_GROUPS, kernel_mma.STRIDED, len(_disabled))
+
+
+def bind(view: CodesView, queries: mx.array, scale: float) -> tuple | None:
+    """What :func:`attend` hands MLX for single-query calls like this one (no mask, no sinks), for a caller
+    that repeats it every decode step (:mod:`rvqstore.decode_step`): ``(split, merge)``, each ``(run,
+    inputs, shapes, grid, threadgroup)`` and the split's also where its inputs take the queries and the
+    count; the merge's take the split's two outputs first. None where attend would not launch the two
+    CUDA kernels for such calls, or has not run them yet."""
+    dialect = fused.gpu_backend()
+    b, hq, l, dk = queries.shape
+    if dialect != "cuda" or dialect in _disabled or l != 1:
+        return None
+    d = _decide(view, hq // view.n_kv_heads, queries.dtype, view.dense_keys is not None, False, dialect)
+    if d is None:
+        return None
+    fast, mma, one, config = d
+    if not fast or one or config not in _verified:
+        return None
+    split = kernel_mma.bind(view, queries, 1, False, scale) if mma else _bind_split(view, queries, dialect, scale)
+    if split is None:
+        return None
+    args = _merge_args(view, split[2][0], (b, hq, l, view.value_codec.dim), queries.dtype)
+    if args[7] is None:
+        return None
+    return split, (args[7], [None, None, args[0], args[1]], args[5], args[3], args[4])
 
 
 def disabled() -> dict:

@@ -174,6 +174,20 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: fl
     return out[0], out[1]
 
 
+def bind(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: float) -> tuple | None:
+    """What :func:`launch` hands MLX for calls like this one, for a caller that repeats it every step
+    (:mod:`rvqstore.decode_step`): ``(run, inputs, shapes, grid, threadgroup, 0, 10)``: the queries (input 0)
+    and the count (10) left for the caller. None before a launch prepared it."""
+    b, h, l, d = q.shape
+    ks, k1, k2 = view.key_buffers
+    vs, v1, v2 = view.value_buffers
+    p = _plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, n_queries, causal, scale)
+    if p.run is None:
+        return None
+    inputs = [None, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut, None, p.params]
+    return p.run, inputs, p.shapes, p.grid, _THREADGROUP, 0, 10
+
+
 #: serve fast-path calls (no window, no sinks) with one launch, the merge fused into the split kernel
 #: (:func:`launch_fused`), instead of the split kernel and the merge kernel (two launches; the results agree up to
 #: the order of one sum: tests/test_attention_mma_gpu.py). Off unless RVQSTORE_FUSED_MERGE=1: on the H200 it made

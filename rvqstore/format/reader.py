@@ -237,12 +237,15 @@ class RVQFile:
 
         return out.view(mx.bfloat16) if self.section(name).dtype == "bfloat16" else out
 
-    def read_sections(self, names: Sequence[str], *, as_mx: bool = False) -> list:
+    def read_sections(self, names: Sequence[str], *, as_mx: bool = False,
+                      then: Callable[[Any], Any] | None = None) -> list:
         """Several sections, each as :meth:`read_section` (or :meth:`read_section_mx`) returns it, read side
         by side on up to :data:`READ_THREADS` threads where the source allows concurrent reads (files and
         byte strings: their zstd and rANS sections go to the pool, raw ones are read in this thread) and
-        the compressed ones decode to at least :data:`PARALLEL_MIN_BYTES`. Raises
-        what reading them in turn would: the error of the first failing name."""
+        the compressed ones decode to at least :data:`PARALLEL_MIN_BYTES`. ``then``: applied in this
+        thread to each section as soon as it is read (e.g. a device copy started while the rest are
+        read); what it returns is what comes back. Raises what reading them in turn would: the error of
+        the first failing name."""
         read: Callable[[str], Any] = self._read_section_copy if as_mx else self.read_section
         # only decompression lets other threads run for long (the checksum binding holds the GIL, and
         # threads copying raw sections out of the mapping measured slower than one): compressed sections
@@ -251,10 +254,10 @@ class RVQFile:
         big = sum(self.section(n).raw_length for n in packed) >= PARALLEL_MIN_BYTES
         workers = min(len(packed), READ_THREADS) if big and getattr(self._source, "concurrent_reads", False) else 0
         if workers <= 1:
-            out = [read(name) for name in names]
+            out = [read(name) if then is None else then(read(name)) for name in names]
         else:
             with ThreadPoolExecutor(workers, thread_name_prefix="rvq-read") as pool:
-                out = _in_order(names, {name: pool.submit(read, name) for name in packed}, read)
+                out = _in_order(names, {name: pool.submit(read, name) for name in packed}, read, then)
         # views are graph operations: built here, in the caller's thread, not on the pool's
         return [self._as_dtype(name, a) for name, a in zip(names, out)] if as_mx else out
 
@@ -354,15 +357,17 @@ class RVQFile:
                 f"{self.n_tokens} tokens, {len(self.sections)} sections, {self.file_length} bytes)")
 
 
-def _in_order(names: Sequence[str], pending: dict, read: Callable[[str], Any]) -> list:
-    """Each name's result, the ``pending`` ones from their futures, the rest read here meanwhile; raises
-    the error of the first failing name, as reading them in turn would (later futures are cancelled)."""
+def _in_order(names: Sequence[str], pending: dict, read: Callable[[str], Any],
+              then: Callable[[Any], Any] | None = None) -> list:
+    """Each name's result, the ``pending`` ones from their futures, the rest read here meanwhile (``then``
+    applied to each here, as it comes); raises the error of the first failing name, as reading them in turn
+    would (later futures are cancelled)."""
     done: dict[str, Any] = {}
     failed = None
     for i, name in enumerate(names):
         if name not in pending:
             try:
-                done[name] = read(name)
+                done[name] = read(name) if then is None else then(read(name))
             except BaseException as err:  # noqa: BLE001 - re-raised below, after the earlier names
                 done[name], failed = err, i
                 break
@@ -372,9 +377,14 @@ def _in_order(names: Sequence[str], pending: dict, read: Callable[[str], Any]) -
                 pending[name].cancel()
     out = []
     for name in names[: None if failed is None else failed + 1]:
-        value = done[name] if name in done else pending[name].result()
-        if isinstance(value, BaseException) and name in done:
-            raise value
+        if name in done:
+            value = done[name]
+            if isinstance(value, BaseException):
+                raise value
+        else:
+            value = pending[name].result()
+            if then is not None:
+                value = then(value)
         out.append(value)
     return out
 

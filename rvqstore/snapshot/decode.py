@@ -6,12 +6,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import device_memory
 from ..cache import RVQKVCache
 from ..codec import DTYPE_BY_NAME
 from ..errors import InvalidScaleError, RVQError
 from ..format import MalformedSectionError
 from ..rotating_cache import RVQRotatingKVCache
-
 
 
 def _sides(a: dict) -> dict:
@@ -103,7 +103,8 @@ def read_arrays(f) -> dict:
     for layer in f.layers:
         visit(layer)
     names = [name for layer in leaves for name in layer.sections.values()]
-    arrays = iter(f.read_sections(names, as_mx=True))  # side by side where the source allows
+    # side by side where the source allows; on CUDA each copied into device memory as it comes
+    arrays = iter(f.read_sections(names, as_mx=True, then=device_memory.onto_device()))
     out = {_key(layer): {kind: next(arrays) for kind in layer.sections} for layer in leaves}
     mx.eval([list(a.values()) for a in out.values()])
     return out

@@ -1,0 +1,173 @@
+"""Bound decode steps (rvqstore.decode_step) hand MLX what the regular paths hand it, on any machine.
+
+The CUDA step path is entered on this machine with stand-ins for what needs a GPU (the backend's name, the
+device, the kernel cache's binaries, MLX's precompiled launch, which records its arguments and hands back
+zeros): two packed caches with the same codes take the same steps, one with steps bound and one without, and
+every launch's kernel, grid, threadgroup, output shapes and inputs must match: the same arrays in the same
+places (each input named by its first appearance or by the launch that made it), small constants by value.
+That the kernels compute the same bits on a GPU is tests/test_decode_step_gpu.py's job.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from rvqstore import RVQKVCache, cache_append, cache_fetch, decode_step, fused, kernel_cache, kernel_ref
+from rvqstore.attention import kernel as attention_kernel
+from rvqstore.attention import kernel_mma
+
+B, HKV, HQ, D = 1, 2, 8, 64
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """The CUDA path on this machine; returns the list the precompiled launch records into."""
+    seen: list = []
+
+    def precompiled(**kw):
+        out = [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        seen.append((kw, out))
+        return out
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    monkeypatch.setattr(fused, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(fused, "_on_gpu", lambda: True)
+    monkeypatch.setattr(kernel_cache, "cache_dir", lambda: Path("/nonexistent-rvqstore-test"))
+    monkeypatch.setenv(kernel_ref.ENV, "0")
+    monkeypatch.setattr(kernel_cache, "get_binary", lambda tu, func: (func, tu, "key-" + func))
+    monkeypatch.setattr(kernel_cache, "verdict_key", lambda *a: "stand-in")
+    monkeypatch.setattr(kernel_cache, "verdict", lambda key: True)  # first uses "checked on this machine"
+    monkeypatch.setattr(kernel_cache, "record_verdict", lambda *a, **kw: None)
+    # fresh kernels, plans and verdicts: nothing made with the stand-ins outlives the test
+    for mod, name, fresh in ((cache_append, "_kernel_fns", dict), (cache_append, "_verified", set),
+                             (cache_append, "_disabled", dict), (cache_fetch, "_kernel_fn", list),
+                             (cache_fetch, "_verified", set), (cache_fetch, "_disabled", dict),
+                             (attention_kernel, "_kernels", dict), (attention_kernel, "_verified", set),
+                             (attention_kernel, "_disabled", dict), (kernel_mma, "_kernels", dict)):
+        monkeypatch.setattr(mod, name, fresh())
+    for mod, name in ((attention_kernel, "_launches"), (attention_kernel, "_merges"),
+                      (attention_kernel, "_decisions"), (kernel_mma, "_launches")):
+        monkeypatch.setattr(mod, name, weakref.WeakKeyDictionary())
+    monkeypatch.setattr(decode_step, "stats", {"bound": 0, "updates": 0, "attends": 0})
+    return seen
+
+
+def _held(n: int):
+    rng = np.random.default_rng(0)
+    kv = [mx.array(rng.standard_normal((B, HKV, n, D)).astype(np.float32)).astype(mx.float16) for _ in range(2)]
+    c = RVQKVCache((2, 2), use_kernels=False)  # coded on the CPU path
+    c.update_and_fetch(*kv)
+    mx.eval(c.state)
+    return c.state[:6]
+
+
+def _cache(held) -> RVQKVCache:
+    ks, k1, k2, vs, v1, v2 = [mx.array(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a))
+                              for a in held]
+    ks, vs = ks.view(mx.bfloat16), vs.view(mx.bfloat16)
+    return RVQKVCache.from_packed(keys=(ks, k1, k2), values=(vs, v1, v2), dense_keys=None, dense_values=None,
+                                  dtype=mx.float16, head_dims=(D, D), bits=(2, 2))
+
+
+def _steps(n: int):
+    rng = np.random.default_rng(1)
+    return [tuple(mx.array(rng.standard_normal(s).astype(np.float16)) for s in
+                  ((B, HQ, 1, D), (B, HKV, 1, D), (B, HKV, 1, D))) for _ in range(n)]
+
+
+class Names:
+    """Names arrays by role: made by the i-th launch (its j-th output), else by first appearance."""
+
+    def __init__(self):
+        self.made: dict = {}
+        self.seen: dict = {}
+        self.keep: list = []  # the arrays named (ids stay unique while they live)
+
+    def made_by(self, i: int, outputs: list) -> None:
+        for j, a in enumerate(outputs):
+            self.made[id(a)] = ("launch", i, j)
+            self.keep.append(a)
+
+    def __call__(self, a):
+        if a is None or not isinstance(a, mx.array):
+            return a
+        if id(a) in self.made:
+            return self.made[id(a)]
+        if id(a) not in self.seen:
+            self.seen[id(a)] = len(self.seen)
+            self.keep.append(a)
+        small = tuple(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).ravel().tolist()) \
+            if a.size <= 64 else None
+        return ("array", self.seen[id(a)], tuple(a.shape), str(a.dtype), small)
+
+
+def _run(seen: list, bound: bool, held, steps) -> tuple[list, dict]:
+    """A script of steps on a fresh cache: what it handed MLX and returned, every array named by role."""
+    decode_step.ENABLED = bound
+    first = len(seen)
+    names = Names()
+    log: list = []
+
+    def record(what, arrays):
+        for i in range(names_done[0], len(seen) - first):  # the launches since the last entry, in order
+            kw, out = seen[first + i]
+            log.append(("launch", kw["name"], kw["grid"], kw["threadgroup"], tuple(map(tuple, kw["output_shapes"])),
+                        tuple(str(d) for d in kw["output_dtypes"]), tuple(names(a) for a in kw["inputs"])))
+            names.made_by(i, out)
+        names_done[0] = len(seen) - first
+        log.append((what, tuple(names(a) for a in arrays)))
+
+    names_done = [0]
+    cache = _cache(held)
+    scale = D ** -0.5
+    # steps, a trim back, growth past 256 tokens, and calls the bound step must refuse
+    script = ["step"] * 8 + ["trim"] + ["step"] * 4 + ["mask"] + ["step"] * 2 + ["scale"] + ["step"] * 2 \
+        + ["no-inplace"] + ["step"] * 3 + ["sinks"] + ["step"] * 2 + ["bf16-queries"] + ["step"] * 2
+    for i, what in enumerate(script):
+        q, k, v = steps[i]
+        if what == "trim":
+            cache.trim(3)
+            record("trim", [])
+            continue
+        mask = sinks = None
+        s = scale
+        if what == "mask":
+            mask = mx.ones((1, cache.offset + 1), dtype=mx.bool_)
+        elif what == "scale":
+            s = scale * 0.5
+        elif what == "sinks":
+            sinks = mx.zeros((HQ,), mx.float16)
+        elif what == "bf16-queries":
+            q = q.astype(mx.bfloat16)
+        cache_append.INPLACE = what != "no-inplace"
+        try:
+            keys, values = cache.update_and_fetch(k, v)
+            out = cache.attend_on_codes(q, scale=s, mask=mask, sinks=sinks)
+        finally:
+            cache_append.INPLACE = True
+        ks, vs = cache._keys, cache._values
+        record(what, [keys, values, out, ks._count, vs._count, ks._scales, ks._codes1, ks._codes2, vs._scales,
+                      vs._codes1, vs._codes2])
+        log.append(("state", cache.offset, ks._n, ks._hw, vs._n, vs._hw))
+    return log, dict(decode_step.stats)
+
+
+def test_bound_steps_hand_mlx_what_the_regular_paths_hand_it(stand_in, monkeypatch):
+    monkeypatch.setattr(decode_step, "ENABLED", True)
+    held = _held(250)  # 250 tokens held: the first step grows the buffers to 256, a later one to 512
+    steps = _steps(40)
+    _run(stand_in, False, held, steps)  # first uses (their checks launch too): then both runs below launch alike
+    regular, _ = _run(stand_in, False, held, steps)
+    before = dict(decode_step.stats)
+    bound, stats = _run(stand_in, True, held, steps)
+    assert before == {"bound": 0, "updates": 0, "attends": 0}  # the regular run bound nothing
+    for i, (a, b) in enumerate(zip(bound, regular)):
+        assert a == b, f"entry {i} differs:\n bound   {a}\n regular {b}"
+    assert len(bound) == len(regular)
+    # and the bound steps did serve: most single-token steps, on both sides
+    assert stats["updates"] >= 12 and stats["attends"] >= 10 and stats["bound"] >= 3, stats
