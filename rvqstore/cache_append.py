@@ -305,7 +305,7 @@ def bind_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, va
     c = s.inplace_call(codec, keys, values, key_buffers[0].shape[-1])
     if c.run is None:
         return None
-    return c.run, [keys, values, *c.consts, None, *key_buffers, *value_buffers], c.shapes, c.grid, c.threadgroup
+    return c.run, [None, None, *c.consts, None, *key_buffers, *value_buffers], c.shapes, c.grid, c.threadgroup
 
 
 def append_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple, n: int,

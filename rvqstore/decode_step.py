@@ -36,7 +36,7 @@ stats = {"bound": 0, "updates": 0, "attends": 0}
 
 class DecodeStep:
     """One cache's bound step: the in-place append and the unpack it hands out (``update``), the split
-    and merge attention kernels (``attend``), and what they were bound to."""
+    and merge attention kernels or the one that does both (``attend``), and what they were bound to."""
 
     __slots__ = ("keys_stream", "kb", "vb", "cap", "shape", "dtype", "append", "fetch", "dims",
                  "attention", "qshape", "qdtype", "scale", "settings")
@@ -110,15 +110,20 @@ class DecodeStep:
             return None
         count = k._count
         split, merge = at
-        run, inputs, shapes, grid, tg, qi, ci = split
+        run, inputs, shapes, grid, tg, qi, ci, fill = split
         args = inputs.copy()
         args[qi], args[ci] = queries, shared_count(n) if count is None else count
-        mrun, minputs, mshapes, mgrid, mtg = merge
         try:
-            o, ml = run(args, shapes, grid, tg)[:2]
-            margs = minputs.copy()
-            margs[0], margs[1] = o, ml
-            out = mrun(margs, mshapes, mgrid, mtg)[0]
+            if fill is not None:
+                fill(args)
+            outs = run(args, shapes, grid, tg)
+            if merge is None:  # the merge fused into the split kernel
+                out = outs[2]
+            else:
+                mrun, minputs, mshapes, mgrid, mtg = merge
+                margs = minputs.copy()
+                margs[0], margs[1] = outs[0], outs[1]
+                out = mrun(margs, mshapes, mgrid, mtg)[0]
         except Exception:
             self.attention = None
             return None

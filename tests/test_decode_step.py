@@ -157,8 +157,11 @@ def _run(seen: list, bound: bool, held, steps) -> tuple[list, dict]:
     return log, dict(decode_step.stats)
 
 
-def test_bound_steps_hand_mlx_what_the_regular_paths_hand_it(stand_in, monkeypatch):
+@pytest.mark.parametrize("kernel", ["mma", "mma-fused-merge", "simt"])
+def test_bound_steps_hand_mlx_what_the_regular_paths_hand_it(stand_in, monkeypatch, kernel):
     monkeypatch.setattr(decode_step, "ENABLED", True)
+    monkeypatch.setattr(kernel_mma, "FUSED_MERGE", kernel == "mma-fused-merge")
+    monkeypatch.setattr(kernel_mma, "TENSOR_CORES", kernel != "simt")
     held = _held(250)  # 250 tokens held: the first step grows the buffers to 256, a later one to 512
     steps = _steps(40)
     _run(stand_in, False, held, steps)  # first uses (their checks launch too): then both runs below launch alike
@@ -171,3 +174,22 @@ def test_bound_steps_hand_mlx_what_the_regular_paths_hand_it(stand_in, monkeypat
     assert len(bound) == len(regular)
     # and the bound steps did serve: most single-token steps, on both sides
     assert stats["updates"] >= 12 and stats["attends"] >= 10 and stats["bound"] >= 3, stats
+    names = {e[1] for e in bound if e[0] == "launch"}
+    assert any(("mma" in n) == (kernel != "simt") and ("fused" in n) == (kernel == "mma-fused-merge")
+               for n in names if "attend" in n), names  # the kernel asked for served
+
+
+def test_changed_settings_unbind_attention(stand_in, monkeypatch):
+    """A switch flipped between steps (here the tensor cores off) takes the regular path, which binds anew."""
+    monkeypatch.setattr(decode_step, "ENABLED", True)
+    cache = _cache(_held(100))
+    steps = _steps(6)
+    for i, (q, k, v) in enumerate(steps):
+        if i == 3:
+            monkeypatch.setattr(kernel_mma, "TENSOR_CORES", False)
+        cache.update_and_fetch(k, v)
+        cache.attend_on_codes(q, scale=0.125)
+        kw = stand_in[-2][0] if i else None  # the split launch (the merge is the last)
+        if i >= 3:
+            assert "mma" not in kw["name"]
+    assert decode_step.stats["attends"] >= 2

@@ -273,7 +273,7 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, dialect: 
 
 def _bind_split(view: CodesView, q: mx.array, dialect: str, scale: float) -> tuple | None:
     """:func:`launch`'s CUDA launch of raw queries like ``q`` (one query per head, no causal mask) as
-    ``(run, inputs, shapes, grid, threadgroup, 0, 9)``: the queries and the count left for the caller."""
+    ``(run, inputs, shapes, grid, threadgroup, 0, 9, None)``: the queries and the count left for the caller."""
     b, h, l, dk = q.shape
     ks, k1, k2 = view.key_buffers
     vs, v1, v2 = view.value_buffers
@@ -281,7 +281,7 @@ def _bind_split(view: CodesView, q: mx.array, dialect: str, scale: float) -> tup
     if dialect != "cuda" or p.run is None:
         return None
     inputs = [None, p.qsg, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.tab, None, p.params]
-    return p.run, inputs, p.shapes, p.grid, _THREADGROUP, 0, 9
+    return p.run, inputs, p.shapes, p.grid, _THREADGROUP, 0, 9, None
 
 
 _merges: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # value codec -> {config: arguments}
@@ -467,9 +467,11 @@ def settings() -> tuple:
 def bind(view: CodesView, queries: mx.array, scale: float) -> tuple | None:
     """What :func:`attend` hands MLX for single-query calls like this one (no mask, no sinks), for a caller
     that repeats it every decode step (:mod:`rvqstore.decode_step`): ``(split, merge)``, each ``(run,
-    inputs, shapes, grid, threadgroup)`` and the split's also where its inputs take the queries and the
-    count; the merge's take the split's two outputs first. None where attend would not launch the two
-    CUDA kernels for such calls, or has not run them yet."""
+    inputs, shapes, grid, threadgroup)``, the split's also where its inputs take the queries and the count,
+    and what else it changes per launch (or None); the merge's take the split's two outputs first. Where
+    the merge is fused into the split kernel (kernel_mma.FUSED_MERGE) ``merge`` is None and the output is
+    the split's third. None where attend would not launch CUDA kernels alone for such calls, or has not
+    run them yet."""
     dialect = fused.gpu_backend()
     b, hq, l, dk = queries.shape
     if dialect != "cuda" or dialect in _disabled or l != 1:
@@ -478,8 +480,12 @@ def bind(view: CodesView, queries: mx.array, scale: float) -> tuple | None:
     if d is None:
         return None
     fast, mma, one, config = d
-    if not fast or one or config not in _verified:
+    if not fast or config not in _verified:
         return None
+    if one:  # one launch: split, merge and un-rotation
+        vc = view.value_codec
+        split = kernel_mma.bind_fused(view, queries, 1, False, scale, _folded_signs(vc, 1.0 / vc.dim))
+        return None if split is None else (split, None)
     split = kernel_mma.bind(view, queries, 1, False, scale) if mma else _bind_split(view, queries, dialect, scale)
     if split is None:
         return None

@@ -176,8 +176,8 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: fl
 
 def bind(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: float) -> tuple | None:
     """What :func:`launch` hands MLX for calls like this one, for a caller that repeats it every step
-    (:mod:`rvqstore.decode_step`): ``(run, inputs, shapes, grid, threadgroup, 0, 10)``: the queries (input 0)
-    and the count (10) left for the caller. None before a launch prepared it."""
+    (:mod:`rvqstore.decode_step`): ``(run, inputs, shapes, grid, threadgroup, 0, 10, None)``: the queries
+    (input 0) and the count (10) left for the caller. None before a launch prepared it."""
     b, h, l, d = q.shape
     ks, k1, k2 = view.key_buffers
     vs, v1, v2 = view.value_buffers
@@ -185,7 +185,7 @@ def bind(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: floa
     if p.run is None:
         return None
     inputs = [None, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut, None, p.params]
-    return p.run, inputs, p.shapes, p.grid, _THREADGROUP, 0, 10
+    return p.run, inputs, p.shapes, p.grid, _THREADGROUP, 0, 10, None
 
 
 #: serve fast-path calls (no window, no sinks) with one launch, the merge fused into the split kernel
@@ -244,3 +244,24 @@ def launch_fused(view: CodesView, q: mx.array, n_queries: int, causal: bool, sca
         f = p.fused = (prepared(_kernel(True), p.template + [("OutT", q.dtype)], inputs, _F32_2 + [q.dtype]),
                        p.shapes + [(b, h, l, d)], _F32_2 + [q.dtype])
     return f[0](inputs, f[1], p.grid, _THREADGROUP)[2]
+
+
+def bind_fused(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: float, vsg: mx.array):
+    """:func:`launch_fused` as :func:`bind` gives :func:`launch`; its 8th entry fills in what changes per
+    launch besides the queries and the count (the ring's next counter slot, input 13); the attention output is
+    the launch's third output. None before a launch prepared it."""
+    b, h, l, d = q.shape
+    ks, k1, k2 = view.key_buffers
+    vs, v1, v2 = view.value_buffers
+    bh = b * view.n_kv_heads
+    p = _plan(view, ks.shape[-1], bh, h * l // view.n_kv_heads, n_queries, causal, scale)
+    f = p.fused
+    if f is None:
+        return None
+    inputs = [None, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut, None, p.params,
+              vsg, None]
+
+    def fill(args):
+        args[13] = _sem_slot(bh)
+
+    return f[0], inputs, f[1], p.grid, _THREADGROUP, 0, 10, fill
