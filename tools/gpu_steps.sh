@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: bound-tests gen-bound gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -33,6 +33,10 @@ for s in "$@"; do
         --arms kv,packed-2+2,packed-2+2@unbound,packed-2+2@fuse,packed-4+2,packed-4+2@unbound,resident-2+2 \
         --steps 8 --rounds 5 --contexts 1024,8192,32768 --resume --resume-rounds 2 --tmp "$tmp" \
         --json "$OUT/gen-bound.json" --md "$OUT/gen-bound.md" ;;
+    gen-confirm) step gen-confirm 300 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-4+2,packed-2+2@unbound,resident-2+2 --steps 8 --rounds 5 \
+        --contexts 1024,8192,32768 --resume --resume-rounds 3 --tmp "$tmp" \
+        --json "$OUT/gen-confirm.json" --md "$OUT/gen-confirm.md" ;;
     gen-128k-bound) step gen-128k-bound 240 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@unbound,packed-2+2@fuse,packed-4+2 --steps 6 --rounds 3 --contexts 131072 \
         --json "$OUT/gen-128k-bound.json" --md "$OUT/gen-128k-bound.md" ;;
