@@ -10,16 +10,13 @@ RVQ_ATTN_PARITY_REPORT=path each GPU comparison appends a line there (tools/resu
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from rvqstore import RVQKVCache, fused
 from rvqstore.attention import hook, kernel, ops
-
-REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
+from gpu_report import record as _record  # noqa: E402
 
 
 def _cache(bits, hkv, n, d, *, b=1, window=0, dtype=mx.float32, seed=0, residual="conditional"):
@@ -34,12 +31,6 @@ def _cache(bits, hkv, n, d, *, b=1, window=0, dtype=mx.float32, seed=0, residual
 
 def _queries(b, hq, L, d, dtype=mx.float32, seed=1):
     return mx.array(np.random.default_rng(seed).standard_normal((b, hq, L, d)).astype(np.float32)).astype(dtype)
-
-
-def _record(kind, ok, detail):
-    if REPORT:
-        with open(REPORT, "a") as f:
-            f.write(f"{kind}\t{'pass' if ok else 'FAIL'}\t{detail}\n")
 
 
 @pytest.mark.parametrize("n,L,window,sinks", [(1000, 1, 0, False), (300, 1, 16, True), (130, 3, 8, False)])

@@ -14,7 +14,6 @@ With RVQ_ATTN_PARITY_REPORT=path each comparison appends a line there (tools/res
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import mlx.core as mx
@@ -23,8 +22,7 @@ import pytest
 
 from rvqstore import RVQKVCache, fused
 from rvqstore.attention import kernel, kernel_mma, ops
-
-REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
+from gpu_report import record as _record  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -53,12 +51,6 @@ def _cache(bits, hkv, n, d, *, b=1, window=0, dtype=mx.float16, seed=0, residual
         c.update_and_fetch(k[:, :, : n - 1], v[:, :, : n - 1])
     kk, vv = c.update_and_fetch(k[:, :, n - 1:], v[:, :, n - 1:])
     return c, kk, vv
-
-
-def _record(kind, ok, detail):
-    if REPORT:
-        with open(REPORT, "a") as f:
-            f.write(f"{kind}\t{'pass' if ok else 'FAIL'}\t{detail}\n")
 
 
 @pytest.mark.parametrize("bits,d,rows,dtype,dialect,want", [

@@ -6,8 +6,6 @@ With RVQ_ATTN_PARITY_REPORT=path each comparison appends a line there."""
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,8 +13,8 @@ import pytest
 from rvqstore import RVQKVCache, cache_append, fused
 from rvqstore.attention import ops
 from rvqstore.cache_modes import Packed
+from gpu_report import record as _record  # noqa: E402
 
-REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
 
 pytestmark = pytest.mark.gpu
 
@@ -25,12 +23,6 @@ pytestmark = pytest.mark.gpu
 def _cuda_only():
     if fused.gpu_backend() != "cuda":
         pytest.skip("the in-place append is CUDA only")
-
-
-def _record(kind, ok, detail):
-    if REPORT:
-        with open(REPORT, "a") as f:
-            f.write(f"{kind}\t{'pass' if ok else 'FAIL'}\t{detail}\n")
 
 
 def _tokens(n, h=4, d=128, seed=0, dtype=mx.float16):

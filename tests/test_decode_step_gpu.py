@@ -8,15 +8,13 @@ mlx-lm model is token-identical. With RVQ_ATTN_PARITY_REPORT=path each compariso
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from rvqstore import RVQKVCache, decode_step, fused
+from gpu_report import record as _record  # noqa: E402
 
-REPORT = os.environ.get("RVQ_ATTN_PARITY_REPORT")
 
 pytestmark = pytest.mark.gpu
 
@@ -25,12 +23,6 @@ pytestmark = pytest.mark.gpu
 def _cuda_only():
     if fused.gpu_backend() != "cuda":
         pytest.skip("bound decode steps are CUDA only")
-
-
-def _record(kind, ok, detail):
-    if REPORT:
-        with open(REPORT, "a") as f:
-            f.write(f"{kind}\t{'pass' if ok else 'FAIL'}\t{detail}\n")
 
 
 def _same(a: mx.array, b: mx.array) -> bool:
