@@ -624,8 +624,7 @@ class RVQKVCache:
                 return out
         view = self.codes_view()
         out = attention.attend(view, queries, scale, mask, sinks, use_kernels=self.use_kernels)
-        if step is not None and out is not None and sinks is None and (mask is None or (type(mask) is str
-                                                                                     and mask == "causal")):
+        if step is not None and out is not None and sinks is None and decode_step.plain_mask(mask):
             decode_step.bind_attention(self, view, queries, scale)  # served by the kernels: bind them
         return out
 

@@ -34,6 +34,11 @@ ENABLED = os.environ.get("RVQSTORE_DECODE_STEP", "1").strip() != "0"
 stats = {"bound": 0, "updates": 0, "attends": 0}
 
 
+def plain_mask(mask) -> bool:
+    """Whether a single-query call with ``mask`` is one a bound step serves (None, or mlx-lm's "causal")."""
+    return mask is None or (type(mask) is str and mask == "causal")
+
+
 class DecodeStep:
     """One cache's bound step: the in-place append and the unpack it hands out (``update``), the split
     and merge attention kernels or the one that does both (``attend``), and what they were bound to."""
@@ -99,7 +104,7 @@ class DecodeStep:
     def attend(self, cache, queries: mx.array, scale: float, mask, sinks) -> mx.array | None:
         """``attend_on_codes``'s result for a single-query call like the bound one, or None."""
         at = self.attention
-        if (at is None or sinks is not None or (mask is not None and not (type(mask) is str and mask == "causal"))
+        if (at is None or sinks is not None or not plain_mask(mask)
                 or type(queries) is not mx.array or queries.shape != self.qshape or queries.dtype != self.qdtype
                 or scale != self.scale or not self._same_buffers(cache) or not fused._on_gpu()
                 or attention_kernel.settings() != self.settings):
