@@ -71,6 +71,35 @@ RVQ_FN void rvq_mma_rows(float* c, const uint* a, uint b0, uint b1) {
     rvq_mma_lo(c, a, b0, b1);
   }
 }
+// N consecutive code words (N = 1, 2 or 4; p aligned to 4 N bytes) as one load
+template <int N>
+RVQ_FN void rvq_ld_words(const uint* p, uint* w) {
+  if (N == 4) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+  } else if (N == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w[0] = v.x; w[1] = v.y;
+  } else {
+    RVQ_UNROLL
+    for (int n = 0; n < N; ++n) w[n] = p[n];
+  }
+}
+// N (2 or 4) consecutive bfloat16 (p aligned to 2 N bytes) as floats into f[0, N), one load
+template <int N>
+RVQ_FN void rvq_ld_bf16xn(const unsigned short* p, float (&f)[4]) {
+  if (N == 4) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    f[0] = __uint_as_float(v.x << 16);
+    f[1] = __uint_as_float(v.x & 0xFFFF0000u);
+    f[2] = __uint_as_float(v.y << 16);
+    f[3] = __uint_as_float(v.y & 0xFFFF0000u);
+  } else {
+    const uint v = *reinterpret_cast<const uint*>(p);
+    f[0] = __uint_as_float(v << 16);
+    f[1] = __uint_as_float(v & 0xFFFF0000u);
+  }
+}
 // 2+2 codes: the table indices of the 8 coordinate pairs of a stage-1 word w1 and its stage-2 word w2 (pair p:
 // nibble p of w1 above nibble p of w2), as bytes: pair 2k in byte k of lo, pair 2k + 1 in byte k of hi
 RVQ_FN void rvq_idx22(uint w1, uint w2, uint& lo, uint& hi) {
