@@ -52,6 +52,8 @@ def _kernel(fused_merge: bool = False):
     """The split kernel (outputs ``o``, ``ml``) or, with ``fused_merge``, split and merge in one launch (also
     ``out``; inputs ``vsg`` and ``sem`` added: kernels/rvq_attend_mma.inc, RVQ_ATTEND_FUSED)."""
     name = "mma_fused" if fused_merge else "mma"
+    if BLOCKS_PER_SM != 3:  # another register budget is another binary (launch bounds)
+        name += f"_tg{BLOCKS_PER_SM}"
     k = _kernels.get(name)
     if k is None:
         header, body = sources()
@@ -140,7 +142,8 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     per = _launches.get(kc)
     if per is None:
         per = _launches[kc] = {}
-    key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS, STRIDED, SWAPPED)
+    key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS, STRIDED, SWAPPED,
+           BLOCKS_PER_SM)
     p = per.get(key)
     if p is not None:
         return p
