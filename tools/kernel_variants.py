@@ -6,7 +6,7 @@ the key phase; ``simt`` = the SIMT kernel where the tensor-core one would serve 
 ``mma`` = the tensor-core kernel where it serves (kernel_mma.TENSOR_CORES on, the default); ``chunked`` = the tensor-core kernel with a contiguous chunk of tokens per split
 (kernel_mma.STRIDED off; implies ``mma``); ``swap`` / ``noswap`` = the tensor-core kernel with the query rows as the
 mma's columns where there are up to 8 (kernel_mma.SWAPPED, the default) / always as its rows; ``pipe`` / ``nopipe`` = the swapped layout with a tile's
-scores computed one iteration ahead (kernel_mma.PIPELINED, off by default) / not; ``occ4`` = the tensor-core kernel
+scores computed one iteration ahead (kernel_mma.PIPELINED, the default) / not; ``occ4`` = the tensor-core kernel
 with registers budgeted for 4 threadgroups per SM, 528 per launch (kernel_mma.BLOCKS_PER_SM, TARGET_GROUPS; 3 and 396); ``fuse`` = the tensor-core split kernel with the merge fused into it, one
 launch (kernel_mma.FUSED_MERGE on); ``nofuse`` = the split kernel and the merge kernel, two launches (the default);
 ``binary`` = every precompiled kernel launched with its whole binary, not by reference (kernel_ref.BY_REFERENCE

@@ -115,9 +115,8 @@ BLOCK = 64
 #: which serves 9-16 rows (and every call with RVQSTORE_MMA_SWAP=0)
 SWAPPED = os.environ.get("RVQSTORE_MMA_SWAP", "1").strip() != "0"
 #: with SWAPPED: a tile's scores computed one iteration ahead, beside the previous tile's softmax and value product
-#: (``PIPE`` in the kernel: the tile loop is bound by the latency of that chain). Off unless RVQSTORE_MMA_PIPE=1:
-#: not yet run on a GPU (variant ``pipe`` in the benchmarks, and tests/test_attention_mma_gpu.py covers it)
-PIPELINED = os.environ.get("RVQSTORE_MMA_PIPE", "0").strip() == "1"
+#: (``PIPE`` in the kernel: the tile loop is bound by the latency of that chain)
+PIPELINED = os.environ.get("RVQSTORE_MMA_PIPE", "1").strip() != "0"
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
 #: threadgroups per launch the split plan aims at: BLOCKS_PER_SM per SM of an H200 (132 SMs), one wave
