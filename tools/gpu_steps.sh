@@ -91,7 +91,7 @@ for s in "$@"; do
     attn-layers) step attn-layers 240 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 2+2,4+2 \
         --rounds 5 --k 8 --layers 4 --json "$OUT/attention-layers.json" ;;
     attn-swap) step attn-swap 200 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
-        --rounds 7 --k 10 --variants pipe,nopipe,noswap,occ4 --json "$OUT/attention-swap.json" ;;
+        --rounds 7 --k 10 --variants swap,noswap,occ4 --json "$OUT/attention-swap.json" ;;
     gen-swap) step gen-swap 330 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@noswap,packed-2+2@occ4,packed-4+2,packed-4+2@noswap --steps 8 --rounds 5 \
         --contexts 1024,8192,32768 --json "$OUT/gen-swap.json" --md "$OUT/gen-swap.md" ;;
