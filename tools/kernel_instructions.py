@@ -1,0 +1,118 @@
+"""Machine-code size of the tensor-core attention kernel, counted from a local compile (no GPU needed).
+
+For each configuration the kernel's translation unit (as rvqstore hands it to NVRTC) is compiled with the
+local ``nvcc -cubin -arch=sm_90a -Xptxas -v``; reported: the registers and spill bytes ptxas states, the
+kernel's instructions (its ``.text`` section / 16 bytes, read with ``readelf``), and the instructions of one
+copy of a tile's compute: the growth of the kernel when its tile loop calls the compute twice (the second call
+on another tile index, so it is not merged with the first). The loop body is unrolled, so that growth is what
+one tile costs in issued instructions (before predication). Both layouts of the kernel (``rows``: query rows
+as the mma's rows; ``swap``: as its columns, up to 8 rows) and the launch bounds' threadgroups per SM can be
+compared side by side:
+
+    python tools/kernel_instructions.py --bits 2+2,4+2,4+4 --rows 4,8 --json tools/results/kernel-instructions-sm90.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from rvqstore.attention import kernel_mma  # noqa: E402
+
+_INPUTS = (mx.float16, mx.float32, mx.float32, mx.bfloat16, mx.uint32, mx.uint32, mx.bfloat16, mx.uint32,
+           mx.uint32, mx.uint32, mx.uint32, mx.uint32)
+_CALLS = {"swap": "      compute_swap(tile, kwa, vwa, ka, va);", "rows": "      compute(tile, kwa, vwa, ka, va);"}
+
+
+def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int) -> str:
+    """The translation unit of one configuration, as a host nvcc takes it."""
+    old = kernel_mma.BLOCKS_PER_SM
+    kernel_mma.BLOCKS_PER_SM = blocks
+    try:
+        k = kernel_mma._kernel()
+    finally:
+        kernel_mma.BLOCKS_PER_SM = old
+    template = [("T_B1", bits[0]), ("T_B2", bits[1]), ("T_D", d), ("T_R", rows), ("T_STRIDE", 1),
+                ("T_SWAP", int(swap)), ("T_PROBE", 0)]
+    _, tu = k.source_for(template, _INPUTS, (mx.float32, mx.float32))
+    # NVRTC has no <stdint.h>; the host compiler does, and refuses these two typedefs again
+    return tu.replace("typedef long long int64_t;", "").replace("typedef unsigned long long uint64_t;", "")
+
+
+def compile_stats(tu: str, work: Path, name: str) -> dict:
+    cu, cubin = work / f"{name}.cu", work / f"{name}.cubin"
+    cu.write_text(tu)
+    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", str(cu), "-o", str(cubin)],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode:
+        raise SystemExit(f"nvcc failed for {name}:\n{r.stderr[-3000:]}")
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    sections = subprocess.run(["readelf", "-S", "-W", str(cubin)], capture_output=True, text=True).stdout
+    text = [ln for ln in sections.splitlines() if re.search(r"\]\s+\.text\.", ln)]
+    if len(text) != 1:
+        raise SystemExit(f"expected one .text section in {cubin}, found {len(text)}")
+    size = int(text[0].split()[5], 16)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spill.group(1)) if spill else None,
+            "spill_load_bytes": int(spill.group(2)) if spill else None, "instructions": size // 16}
+
+
+def measure(bits, d, rows, layout, blocks, work: Path) -> dict:
+    tu = source(bits, d, rows, layout == "swap", blocks)
+    call = _CALLS[layout]
+    if tu.count(call) != 1:
+        raise SystemExit(f"the tile loop's call {call.strip()!r} is not in the kernel once: update this tool")
+    again = call.strip().replace("(tile, kwa, vwa, ka, va)", "(tile + 3u, kwa, vwa, kb, vb)")
+    twice = tu.replace(call, "      { " + call.strip() + " " + again + " }")  # one statement (an if/else branch)
+    name = f"b{bits[0]}{bits[1]}_d{d}_r{rows}_{layout}_tg{blocks}"
+    one = compile_stats(tu, work, name)
+    two = compile_stats(twice, work, name + "_twice")
+    return {"bits": f"{bits[0]}+{bits[1]}", "d": d, "rows": rows, "layout": layout, "blocks_per_sm": blocks, **one,
+            "tile_compute_instructions": two["instructions"] - one["instructions"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bits", default="2+2,4+2", help="comma list of B1+B2")
+    ap.add_argument("--dims", default="128", help="comma list of head dims (64, 128)")
+    ap.add_argument("--rows", default="4", help="comma list of query rows per KV head (<= 16)")
+    ap.add_argument("--layouts", default="swap,rows", help="swap (up to 8 rows), rows")
+    ap.add_argument("--blocks", default="3", help="comma list of threadgroups per SM in the launch bounds")
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args()
+    for tool in ("nvcc", "readelf"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} is not on PATH (this tool compiles locally)")
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for b in a.bits.split(","):
+            bits = tuple(int(x) for x in b.split("+"))
+            for d in (int(x) for x in a.dims.split(",")):
+                for rows in (int(x) for x in a.rows.split(",")):
+                    for layout in a.layouts.split(","):
+                        if layout == "swap" and rows > 8:
+                            continue
+                        for blocks in (int(x) for x in a.blocks.split(",")):
+                            row = measure(bits, d, rows, layout, blocks, Path(tmp))
+                            out.append(row)
+                            print(json.dumps(row), flush=True)
+    if a.json:
+        meta = {"command": "python tools/kernel_instructions.py " + " ".join(sys.argv[1:]),
+                "nvcc": subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
+                "rows": out}
+        Path(a.json).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
