@@ -218,7 +218,8 @@ def test_gpu_tensor_core_kernel_parity(case, swapped, monkeypatch):
     m_scale = float(np.abs(rm[fin]).max()) + 1.0 if fin.any() else 1.0
     err_l = float(mx.abs(ml[..., 1] - rml[..., 1]).max() / (mx.abs(rml[..., 1]).max() + 1e-30))
     ok = err_o < 4e-3 and err_l < 4e-3 and err_m < 4e-3 * m_scale and same_inf
-    _record("mma-partials", ok, f"{case} {'swap' if swapped and g * L <= 8 else 'rows'} rel_err o={err_o:.2e} l={err_l:.2e} abs_err m={err_m:.2e} "
+    layout = "swap" if swapped and g * L <= 8 else "rows"
+    _record("mma-partials", ok, f"{case} {layout} rel_err o={err_o:.2e} l={err_l:.2e} abs_err m={err_m:.2e} "
             f"(m scale {m_scale:.1f}, score bound {s_max:.1f})")
     assert ok, (err_o, err_l, err_m, same_inf)
     # the whole call (tensor-core kernel + merge kernel or combine; or the merge fused) vs decode-then-SDPA, fp16

@@ -5,8 +5,9 @@ shared memory; ``v4``/``v8`` = 4/8 coordinates per thread in the value phase; ``
 the key phase; ``simt`` = the SIMT kernel where the tensor-core one would serve (kernel_mma.TENSOR_CORES off);
 ``mma`` = the tensor-core kernel where it serves (kernel_mma.TENSOR_CORES on, the default); ``chunked`` = the tensor-core kernel with a contiguous chunk of tokens per split
 (kernel_mma.STRIDED off; implies ``mma``); ``swap`` / ``noswap`` = the tensor-core kernel with the query rows as the
-mma's columns where there are up to 8 (kernel_mma.SWAPPED, the default) / always as its rows; ``occ4`` = the tensor-core kernel
-with registers budgeted for 4 threadgroups per SM, 528 per launch (kernel_mma.BLOCKS_PER_SM, TARGET_GROUPS; 3 and 396); ``fuse`` = the tensor-core split kernel with the merge fused into it, one
+mma's columns where there are up to 8 (kernel_mma.SWAPPED, the default) / always as its rows; ``occ4`` = the
+tensor-core kernel with registers budgeted for 4 threadgroups per SM, 528 per launch (kernel_mma.BLOCKS_PER_SM,
+TARGET_GROUPS; 3 and 396); ``fuse`` = the tensor-core split kernel with the merge fused into it, one
 launch (kernel_mma.FUSED_MERGE on); ``nofuse`` = the split kernel and the merge kernel, two launches (the default);
 ``binary`` = every precompiled kernel launched with its whole binary, not by reference (kernel_ref.BY_REFERENCE
 off); ``unbound`` = no decode step bound, every step through the regular paths (decode_step.ENABLED off);
@@ -22,8 +23,9 @@ VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False
             "nopair": {"PAIR_TABLES": False}, "nostage": {"STAGE_CODES": False}, "v4": {"VALUE_COORDS": 4},
             "v8": {"VALUE_COORDS": 8}, "simt": {"TENSOR_CORES": False}, "mma": {"TENSOR_CORES": True},
             "chunked": {"TENSOR_CORES": True, "STRIDED": False},
-            "swap": {"TENSOR_CORES": True, "SWAPPED": True},
-            "occ4": {"TENSOR_CORES": True, "BLOCKS_PER_SM": 4, "TARGET_GROUPS": 528}, "noswap": {"TENSOR_CORES": True, "SWAPPED": False}, "fuse": {"FUSED_MERGE": True}, "nofuse": {"FUSED_MERGE": False},
+            "swap": {"TENSOR_CORES": True, "SWAPPED": True}, "noswap": {"TENSOR_CORES": True, "SWAPPED": False},
+            "occ4": {"TENSOR_CORES": True, "BLOCKS_PER_SM": 4, "TARGET_GROUPS": 528},
+            "fuse": {"FUSED_MERGE": True}, "nofuse": {"FUSED_MERGE": False},
             "binary": {"BY_REFERENCE": False}, "unbound": {"ENABLED": False}, "default": {}}
 _MODULE = {"TENSOR_CORES": kernel_mma, "STRIDED": kernel_mma, "SWAPPED": kernel_mma, "BLOCKS_PER_SM": kernel_mma,
            "TARGET_GROUPS": kernel_mma, "FUSED_MERGE": kernel_mma,
