@@ -88,8 +88,8 @@ def _kernel(resident: bool, copy: bool = False, inplace: bool = False):
             input_names=["k", "v", "sg", "tab", "dtab", "lim", "params"]
             + (["cnt", "oks", "ok1", "ok2", "ovs", "ov1", "ov2"] if copy else [])
             + (["cnt", "bks", "bk1", "bk2", "bvs", "bv1", "bv2"] if inplace else []),
-            output_names=(["done"] if inplace else
-                          ["ks", "k1", "k2", "vs", "v1", "v2"] + (["rk", "rv"] if resident else [])),
+            output_names=(["done"] if inplace else ["ks", "k1", "k2", "vs", "v1", "v2"])
+            + (["rk", "rv"] if resident else []),
             source=body, header=header, ensure_row_contiguous=True)
     return k
 
@@ -163,10 +163,11 @@ class _Setup:
                 [lead, lead + (w1,), lead + (w2,), lead, lead + (w1,), lead + (w2,)], list(_DTYPES), None, (d, 1, 1))
         return c
 
-    def inplace_call(self, codec, keys: mx.array, values: mx.array, cap: int) -> "_Call":
-        """The in-place launch's arguments (made once per shape, dtypes and capacity)."""
+    def inplace_call(self, codec, keys: mx.array, values: mx.array, cap: int, resident: bool = False) -> "_Call":
+        """The in-place launch's arguments (made once per shape, dtypes, capacity and mode; ``resident``: the
+        launch also hands out the new tokens decoded)."""
         shape = keys.shape
-        key = (shape, keys.dtype, values.dtype, cap, "inplace")
+        key = (shape, keys.dtype, values.dtype, cap, "inplace", resident)
         c = self.copies.get(key)
         if c is None:
             b, h, t, d = shape
@@ -174,8 +175,11 @@ class _Setup:
                 self.copies.clear()
             consts = [self.signs, self.plan.tab, self.dtab, self.limit(codec, keys.dtype),
                       self.copy_params(b * h * t, t, cap, cap)]
-            c = self.copies[key] = _Call(_kernel(False, False, True), self.template + [("InT", keys.dtype)],
-                                         [keys.dtype, values.dtype], consts, [(1,)], [mx.uint32],
+            shapes, dtypes = [(1,)], [mx.uint32]
+            if resident:
+                shapes, dtypes = shapes + [tuple(shape)] * 2, dtypes + [keys.dtype] * 2
+            c = self.copies[key] = _Call(_kernel(resident, False, True), self.template + [("InT", keys.dtype)],
+                                         [keys.dtype, values.dtype], consts, shapes, dtypes,
                                          (2 * b * h * t * d, 1, 1), (d, 1, 1))
         return c
 
@@ -283,41 +287,44 @@ def launch_copy(codec, keys: mx.array, values: mx.array, key_buffers: tuple, val
 
 
 def launch_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple,
-                   count: mx.array) -> mx.array:
+                   count: mx.array, resident: bool = False):
     """Write the new tokens' codes into the buffers (capacity enough for them, no checks) at the position
     ``count`` ``[n]`` holds; returns ``done`` ``[n + t]``: the array every later reader of the buffers must
-    take as its token count, which is what orders it after these writes (MLX sees none)."""
+    take as its token count, which is what orders it after these writes (MLX sees none). ``resident``:
+    returns ``(done, keys, values)``, the new tokens decoded (as :func:`launch`'s last two outputs)."""
     s = _setup(codec)
     if s is None:
         raise ValueError(f"the fused append does not take {codec!r}: {supported(codec)}")
-    c = s.inplace_call(codec, keys, values, key_buffers[0].shape[-1])
-    return c([keys, values, *c.consts, count, *key_buffers, *value_buffers])[0]
+    c = s.inplace_call(codec, keys, values, key_buffers[0].shape[-1], resident)
+    out = c([keys, values, *c.consts, count, *key_buffers, *value_buffers])
+    return tuple(out) if resident else out[0]
 
 
-def bind_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple):
+def bind_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple,
+                 resident: bool = False):
     """What :func:`launch_inplace` hands MLX for steps like this one, for a caller that repeats it
     (:mod:`rvqstore.decode_step`): ``(run, inputs, shapes, grid, threadgroup)``, the launch being
     ``run(inputs, shapes, grid, threadgroup)`` once the caller put in the step's keys, values and count
     (inputs 0, 1 and 7). None until this configuration's first use passed and a launch prepared it."""
     s = _setup(codec)
-    if s is None or not INPLACE or s.config(keys.dtype, False, "inplace") not in _verified:
+    if s is None or not INPLACE or s.config(keys.dtype, resident, "inplace") not in _verified:
         return None
-    c = s.inplace_call(codec, keys, values, key_buffers[0].shape[-1])
+    c = s.inplace_call(codec, keys, values, key_buffers[0].shape[-1], resident)
     if c.run is None:
         return None
     return c.run, [None, None, *c.consts, None, *key_buffers, *value_buffers], c.shapes, c.grid, c.threadgroup
 
 
 def append_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, value_buffers: tuple, n: int,
-                   count: mx.array | None = None) -> mx.array | None:
+                   count: mx.array | None = None, resident: bool = False):
     """:func:`launch_inplace` where the kernel serves the call, else None (nothing written). Its first use
-    writes into copies of the buffers and is compared with :func:`launch` (the rows written, and nothing
-    else changed) before it writes into the real ones."""
+    writes into copies of the buffers and is compared with :func:`launch` (the rows written, nothing else
+    changed, and for ``resident`` the decoded rows) before it writes into the real ones."""
     s = _served(codec, keys, values) if INPLACE else None
     if s is None or key_buffers[2] is None:
         return None
     count = shared_count(n) if count is None else count
-    config = s.config(keys.dtype, False, "inplace")
+    config = s.config(keys.dtype, resident, "inplace")
     if config not in _verified:
         mx.eval(count)  # a pending write finished before the copies read the buffers
         kb, vb = tuple(copy_bits(a) for a in key_buffers), tuple(copy_bits(a) for a in value_buffers)
@@ -325,9 +332,10 @@ def append_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, 
         mx.eval(kb, vb)
         t = keys.shape[2]
 
-        def same_as_append(done):
-            want = launch(codec, keys, values)
-            mx.eval(done, want)
+        def same_as_append(out):
+            done, decoded = (out[0], out[1:]) if resident else (out, ())
+            want = launch(codec, keys, values, resident)
+            mx.eval(out, want)
             if int(done[0].item()) != n + t:
                 return "the count it hands out is not n + t"
             for got, old, new in zip((*kb, *vb), before, want):
@@ -335,16 +343,18 @@ def append_inplace(codec, keys: mx.array, values: mx.array, key_buffers: tuple, 
                         and bool(mx.array_equal(got[:, :, :n], old[:, :, :n], equal_nan=True).item())
                         and bool(mx.array_equal(got[:, :, n + t:], old[:, :, n + t:], equal_nan=True).item())):
                     return "the buffers it wrote differ from the append kernel's codes written with slice updates"
+            if not all(bool(mx.array_equal(a, b, equal_nan=True).item()) for a, b in zip(decoded, want[6:])):
+                return "the decoded rows it hands out differ from the append kernel's"
             return check(codec, keys, values, want)
 
-        if first_use.serve(config, lambda: launch_inplace(codec, keys, values, kb, vb, count), same_as_append,
-                           verified=_verified, disabled=_disabled, lock=_lock,
+        if first_use.serve(config, lambda: launch_inplace(codec, keys, values, kb, vb, count, resident),
+                           same_as_append, verified=_verified, disabled=_disabled, lock=_lock,
                            what="fused append (in place; slice updates instead)") is None:
             return None
     if config in _disabled:
         return None
     try:
-        return launch_inplace(codec, keys, values, key_buffers, value_buffers, count)
+        return launch_inplace(codec, keys, values, key_buffers, value_buffers, count, resident)
     except Exception:  # nothing was built that writes: the caller takes its other paths
         return None
 

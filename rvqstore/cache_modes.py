@@ -260,18 +260,31 @@ class Resident(DecodedCopy):
         return True
 
     def kernel_append(self, cache: Any, keys: mx.array, values: mx.array) -> bool:
-        """(CUDA) one launch codes the new tokens and decodes them for the copy."""
-        k = cache._keys
+        """(CUDA) one launch codes the new tokens and decodes them for the copy: the codes written in place
+        where the buffers have room (as packed caches do; then nothing is staged), else staged or written
+        with slice updates."""
+        k, v = cache._keys, cache._values
         if self.keys is None and k.n:  # the decoded copy must cover every coded token
             return False
-        out = cache_append.append(k.codec, keys, values, True)
-        if out is None:
-            return False
         n, t = k.n, keys.shape[2]
+        out = None
+        if n and cache_append.INPLACE and k._scales is not None and k._hw <= n and n + t <= k._scales.shape[-1]:
+            kb, count = k.live()  # staged steps written first: in place goes after them
+            if k.inplace_ok(t):
+                out = cache_append.append_inplace(k.codec, keys, values, kb, v.live()[0], n, count, True)
+        if out is not None:
+            k.wrote_inplace(t, out[0])
+            v.wrote_inplace(t, out[0])
+            decoded = out[1:]
+        else:
+            out = cache_append.append(k.codec, keys, values, True)
+            if out is None:
+                return False
+            cache._write_codes(out, t)
+            decoded = out[6:]
         self.grow(cache, n, n + t)
-        cache._write_codes(out, t)
-        dk = out[6] if cache._state is None else cache._state.restored(out[6], cache.dtype)  # key mean back
-        self.write(cache, n, n + t, dk, out[7])
+        dk = decoded[0] if cache._state is None else cache._state.restored(decoded[0], cache.dtype)  # key mean back
+        self.write(cache, n, n + t, dk, decoded[1])
         return True
 
 

@@ -24,7 +24,7 @@ import weakref
 
 import mlx.core as mx
 
-from . import cache_append, cache_fetch, fused
+from . import cache_append, cache_fetch, cache_modes, fused
 from .attention import kernel as attention_kernel
 from .attention.launch_args import shared_count
 
@@ -40,20 +40,20 @@ def plain_mask(mask) -> bool:
 
 
 class DecodeStep:
-    """One cache's bound step: the in-place append and the unpack it hands out (``update``), the split
-    and merge attention kernels or the one that does both (``attend``), and what they were bound to."""
+    """One cache's bound step: the in-place append (``update``), what the cache hands out after it (the mode's:
+    :class:`PackedStep`, :class:`ResidentStep`), and for packed caches the attention kernels (``attend``)."""
 
-    __slots__ = ("keys_stream", "kb", "vb", "cap", "shape", "dtype", "append", "fetch", "dims",
+    __slots__ = ("keys_stream", "kb", "vb", "cap", "shape", "dtype", "append", "dims",
                  "attention", "qshape", "qdtype", "scale", "settings")
 
-    def __init__(self, cache, keys: mx.array, append: tuple, fetch: tuple):
+    def __init__(self, cache, keys: mx.array, append: tuple):
         k, v = cache._keys, cache._values
         self.keys_stream = k
         self.kb = (k._scales, k._codes1, k._codes2)
         self.vb = (v._scales, v._codes1, v._codes2)
         self.cap = k._scales.shape[-1]
         self.shape, self.dtype = keys.shape, keys.dtype
-        self.append, self.fetch = append, fetch
+        self.append = append
         b, h, _, d = keys.shape
         self.dims = (b, h, d, 2 * b * h * d)
         self.attention = None  # (split, merge) once bind_attention ran for these buffers
@@ -64,7 +64,15 @@ class DecodeStep:
         kb, vb = self.kb, self.vb
         return (k is self.keys_stream and k._scales is kb[0] and k._codes1 is kb[1] and k._codes2 is kb[2]
                 and v._scales is vb[0] and v._codes1 is vb[1] and v._codes2 is vb[2] and not k._staged
-                and cache._state is None and cache.use_kernels and not cache._steps_off)
+                and not v._staged and cache._state is None and cache.use_kernels and not cache._steps_off)
+
+    def _room(self, cache, m: int) -> bool:
+        """Whether what the mode hands out has room for ``m`` tokens (the mode's class decides)."""
+        return True
+
+    def _hand_out(self, cache, outs: list, n: int) -> tuple:
+        """``update_and_fetch``'s keys and values after the append wrote token ``n`` (``outs``: its outputs)."""
+        raise NotImplementedError
 
     def update(self, cache, keys: mx.array, values: mx.array) -> tuple | None:
         """``update_and_fetch``'s result for a single-token step, or None (the regular path serves it)."""
@@ -74,32 +82,28 @@ class DecodeStep:
             return None
         k, v = cache._keys, cache._values
         n = k._n
-        if n == 0 or n < k._hw or n >= self.cap:  # as _Stream.inplace_ok: room, nothing handed out there
+        # as _Stream.inplace_ok: room, nothing handed out there
+        if n == 0 or n < k._hw or n >= self.cap or not self._room(cache, n + 1):
             return None
         count = k._count
         run, inputs, shapes, grid, tg = self.append
         args = inputs.copy()
         args[0], args[1], args[7] = keys, values, shared_count(n) if count is None else count
-        frun, finputs, ftg = self.fetch
-        b, h, d, per_token = self.dims
-        m = n + 1
         try:
-            done = run(args, shapes, grid, tg)[0]
-            fargs = finputs.copy()
-            fargs[8] = done
-            out = (b, h, m, d)
-            kv = frun(fargs, [out, out], (per_token * m, 1, 1), ftg)
+            outs = run(args, shapes, grid, tg)
+            kv = self._hand_out(cache, outs, n)
         except Exception:  # nothing that writes was kept: the regular path decides (and reports)
             cache._decode_step = None
             return None
-        # what Packed._inplace_append, update_and_fetch and _handed_out record after the same launches
+        # what the mode's kernel_append and update_and_fetch record after the same launches
+        done = outs[0]
+        m = n + 1
         k._n, k._hw, k._count = m, m, done
         v._n += 1
         v._hw, v._count = v._n, done
         cache.offset += 1
-        cache._fetched = (weakref.ref(kv[0]), weakref.ref(kv[1]))
         stats["updates"] += 1
-        return kv[0], kv[1]
+        return kv
 
     def attend(self, cache, queries: mx.array, scale: float, mask, sinks) -> mx.array | None:
         """``attend_on_codes``'s result for a single-query call like the bound one, or None."""
@@ -136,6 +140,45 @@ class DecodeStep:
         return out
 
 
+class PackedStep(DecodeStep):
+    """A packed cache's step: hands out the unpack launch's decode (the hook never evaluates it)."""
+
+    __slots__ = ("fetch",)
+
+    def __init__(self, cache, keys: mx.array, append: tuple, fetch: tuple):
+        super().__init__(cache, keys, append)
+        self.fetch = fetch
+
+    def _hand_out(self, cache, outs: list, n: int) -> tuple:
+        frun, finputs, ftg = self.fetch
+        b, h, d, per_token = self.dims
+        m = n + 1
+        fargs = finputs.copy()
+        fargs[8] = outs[0]
+        out = (b, h, m, d)
+        kv = frun(fargs, [out, out], (per_token * m, 1, 1), ftg)
+        cache._fetched = (weakref.ref(kv[0]), weakref.ref(kv[1]))  # as _handed_out: the hook serves it
+        return kv[0], kv[1]
+
+
+class ResidentStep(DecodeStep):
+    """A resident cache's step: the launch's decoded token written into the copy with slice updates (as
+    Resident.write does), and the copy handed out (attention runs on it: decode-then-SDPA)."""
+
+    __slots__ = ()
+
+    def _room(self, cache, m: int) -> bool:
+        copy = cache._mode
+        return copy.keys is not None and copy.keys.shape[2] >= m and copy.keys.dtype == self.dtype
+
+    def _hand_out(self, cache, outs: list, n: int) -> tuple:
+        copy = cache._mode
+        m = n + 1
+        copy.keys[:, :, n:m] = outs[1]
+        copy.values[:, :, n:m] = outs[2]
+        return copy.keys[:, :, :m], copy.values[:, :, :m]
+
+
 def bind_update(cache, keys: mx.array, values: mx.array) -> None:
     """After a regular single-token update that wrote in place: bind its launches for the next steps."""
     k, v = cache._keys, cache._values
@@ -143,11 +186,17 @@ def bind_update(cache, keys: mx.array, values: mx.array) -> None:
     step = cache._decode_step
     if step is not None and step._same_buffers(cache) and step.shape == keys.shape and step.dtype == keys.dtype:
         return  # bound already (the regular path served a step the bound one refused, e.g. past a trim)
-    append = cache_append.bind_inplace(k.codec, keys, values, kb, vb)
-    fetch = None if append is None else cache_fetch.bind(k.codec, kb, vb, cache.dtype)
-    if fetch is None:
+    resident = isinstance(cache._mode, cache_modes.Resident)
+    append = cache_append.bind_inplace(k.codec, keys, values, kb, vb, resident)
+    if append is None:
         return
-    cache._decode_step = DecodeStep(cache, keys, append, fetch)
+    if resident:
+        cache._decode_step = ResidentStep(cache, keys, append)
+    else:
+        fetch = cache_fetch.bind(k.codec, kb, vb, cache.dtype)
+        if fetch is None:
+            return
+        cache._decode_step = PackedStep(cache, keys, append, fetch)
     stats["bound"] += 1
 
 

@@ -41,12 +41,15 @@ def writable(a):
                          ).reshape(a.shape)
 
 
-def model_launch_inplace(codec, keys, values, key_buffers, value_buffers, count):
-    """The in-place append: the new tokens' codes written into the buffers' memory at [n, n + t)."""
+def model_launch_inplace(codec, keys, values, key_buffers, value_buffers, count, resident=False):
+    """The in-place append: the new tokens' codes written into the buffers' memory at [n, n + t) (``resident``:
+    with the new tokens decoded)."""
     n, t = int(count[0].item()), keys.shape[2]
-    for buf, fresh in zip((*key_buffers, *value_buffers), model_launch(codec, keys, values)):
+    out = model_launch(codec, keys, values, resident)
+    for buf, fresh in zip((*key_buffers, *value_buffers), out):
         writable(buf)[:, :, n:n + t] = np.asarray(fresh.view(mx.uint16) if fresh.dtype == mx.bfloat16 else fresh)
-    return mx.array([n + t], dtype=mx.uint32)
+    done = mx.array([n + t], dtype=mx.uint32)
+    return (done, *out[6:]) if resident else done
 
 
 def model_unpack(codec, key_buffers, value_buffers, n, dtype, count=None):

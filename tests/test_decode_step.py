@@ -10,6 +10,7 @@ That the kernels compute the same bits on a GPU is tests/test_decode_step_gpu.py
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from pathlib import Path
 
@@ -24,13 +25,22 @@ from rvqstore.attention import kernel_mma
 B, HKV, HQ, D = 1, 2, 8, 64
 
 
+class _Seen(list):
+    """The launches recorded; ``base``: the current run's first launch (_run sets it)."""
+
+    base = 0
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
     """The CUDA path on this machine; returns the list the precompiled launch records into."""
-    seen: list = []
+    seen = _Seen()
 
     def precompiled(**kw):
-        out = [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        # every output filled with a value of its own (by launch in the run and output): what is written where shows
+        i = len(seen) - seen.base
+        out = [mx.full(s, 1 + i % 50 + 0.25 * j if d in (mx.float16, mx.bfloat16, mx.float32) else 1 + i % 50, d)
+               for j, (s, d) in enumerate(zip(kw["output_shapes"], kw["output_dtypes"]))]
         seen.append((kw, out))
         return out
 
@@ -66,12 +76,12 @@ def _held(n: int):
     return c.state[:6]
 
 
-def _cache(held) -> RVQKVCache:
+def _cache(held, mode: str = "packed") -> RVQKVCache:
     ks, k1, k2, vs, v1, v2 = [mx.array(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a))
                               for a in held]
     ks, vs = ks.view(mx.bfloat16), vs.view(mx.bfloat16)
     return RVQKVCache.from_packed(keys=(ks, k1, k2), values=(vs, v1, v2), dense_keys=None, dense_values=None,
-                                  dtype=mx.float16, head_dims=(D, D), bits=(2, 2))
+                                  dtype=mx.float16, head_dims=(D, D), bits=(2, 2), mode=mode)
 
 
 def _steps(n: int):
@@ -106,10 +116,12 @@ class Names:
         return ("array", self.seen[id(a)], tuple(a.shape), str(a.dtype), small)
 
 
-def _run(seen: list, bound: bool, held, steps) -> tuple[list, dict]:
+def _run(seen: list, bound: bool, held, steps, mode: str = "packed") -> tuple[list, dict]:
     """A script of steps on a fresh cache: what it handed MLX and returned, every array named by role."""
     decode_step.ENABLED = bound
     first = len(seen)
+    if isinstance(seen, _Seen):
+        seen.base = first
     names = Names()
     log: list = []
 
@@ -123,7 +135,7 @@ def _run(seen: list, bound: bool, held, steps) -> tuple[list, dict]:
         log.append((what, tuple(names(a) for a in arrays)))
 
     names_done = [0]
-    cache = _cache(held)
+    cache = _cache(held, mode)
     scale = D ** -0.5
     # steps, a trim back, growth past 256 tokens, and calls the bound step must refuse
     script = ["step"] * 8 + ["trim"] + ["step"] * 4 + ["mask"] + ["step"] * 2 + ["scale"] + ["step"] * 2 \
@@ -151,9 +163,14 @@ def _run(seen: list, bound: bool, held, steps) -> tuple[list, dict]:
         finally:
             cache_append.INPLACE = True
         ks, vs = cache._keys, cache._values
+        copy = cache._mode if mode == "resident" else None
         record(what, [keys, values, out, ks._count, vs._count, ks._scales, ks._codes1, ks._codes2, vs._scales,
-                      vs._codes1, vs._codes2])
-        log.append(("state", cache.offset, ks._n, ks._hw, vs._n, vs._hw))
+                      vs._codes1, vs._codes2] + ([copy.keys, copy.values] if copy else []))
+        if copy is not None:  # what the copy holds, and what was handed out of it
+            log.append(("copy", tuple(hashlib.sha256(np.array(a).tobytes()).hexdigest()[:16]
+                                      for a in (copy.keys, copy.values, keys, values))))
+        log.append(("state", cache.offset, ks._n, ks._hw, vs._n, vs._hw, len(ks._staged), len(vs._staged),
+                    cache._fetched is None))
     return log, dict(decode_step.stats)
 
 
@@ -177,6 +194,27 @@ def test_bound_steps_hand_mlx_what_the_regular_paths_hand_it(stand_in, monkeypat
     names = {e[1] for e in bound if e[0] == "launch"}
     assert any(("mma" in n) == (kernel != "simt") and ("fused" in n) == (kernel == "mma-fused-merge")
                for n in names if "attend" in n), names  # the kernel asked for served
+
+
+def test_bound_resident_steps_hand_mlx_what_the_regular_paths_hand_it(stand_in, monkeypatch):
+    """Resident caches: the in-place append with the decoded token, written into the copy by slice updates,
+    and the copy handed out; the same launches, updates and arrays as the regular path, across the copy's and
+    the buffers' growth, a trim (then the codes are staged again until the buffers are renewed) and the steps
+    the bound path refuses."""
+    monkeypatch.setattr(decode_step, "ENABLED", True)
+    held = _held(250)
+    steps = _steps(40)
+    _run(stand_in, False, held, steps, "resident")  # first uses
+    regular, _ = _run(stand_in, False, held, steps, "resident")
+    bound, stats = _run(stand_in, True, held, steps, "resident")
+    for i, (a, b) in enumerate(zip(bound, regular)):
+        assert a == b, f"entry {i} differs:\n bound   {a}\n regular {b}"
+    assert len(bound) == len(regular)
+    assert stats["updates"] >= 12 and stats["bound"] >= 1 and stats["attends"] == 0, stats
+    # the steps wrote their codes in place (no staged codes) and handed out the copy, never a decode
+    launches = [e[1] for e in bound if e[0] == "launch"]
+    assert any("rvq_append_res_inplace" in n for n in launches), set(launches)
+    assert not any("unpack" in n for n in launches), set(launches)
 
 
 def test_changed_settings_unbind_attention(stand_in, monkeypatch):

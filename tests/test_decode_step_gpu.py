@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from rvqstore import RVQKVCache, decode_step, fused
+from rvqstore import RVQKVCache, cache_append, decode_step, fused
 from gpu_report import record as _record  # noqa: E402
 
 
@@ -29,23 +29,25 @@ def _same(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a, b, equal_nan=True).item())
 
 
-def _run(bound: bool, monkeypatch, *, bits, d, hkv, group, prompt, steps, evaluate, trim_at):
+def _run(bound: bool, monkeypatch, *, bits, d, hkv, group, prompt, steps, evaluate, trim_at, mode="packed"):
     monkeypatch.setattr(decode_step, "ENABLED", bound)
     rng = np.random.default_rng(d + hkv + group)
     total = prompt + steps
     k, v = (mx.array(rng.standard_normal((1, hkv, total, d)).astype(np.float32)).astype(mx.float16) for _ in range(2))
     qs = mx.array(rng.standard_normal((steps, 1, hkv * group, 1, d)).astype(np.float32)).astype(mx.float16)
-    c = RVQKVCache(bits)
+    c = RVQKVCache(bits, mode=mode)
     c.update_and_fetch(k[:, :, :prompt], v[:, :, :prompt])
     outs, fetched = [], []
     for i in range(steps):
         t = prompt + i
         kk, vv = c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        o = c.attend_on_codes(qs[i], scale=d ** -0.5)
+        # resident: attention runs on the copy handed out (decode-then-SDPA), so that is what is compared
+        o = c.attend_on_codes(qs[i], scale=d ** -0.5) if mode == "packed" else \
+            mx.fast.scaled_dot_product_attention(qs[i], kk, vv, scale=d ** -0.5)
         if evaluate:
             mx.eval(o)
         outs.append(o)
-        if i % 7 == 3:  # now and then the decode handed back is read too
+        if i % 7 == 3 or mode == "resident":  # now and then the decode handed back is read too (resident: always)
             fetched.append((kk, vv))
         if i == trim_at:
             c.trim(3)
@@ -72,7 +74,30 @@ def test_bound_steps_compute_what_the_regular_paths_compute(monkeypatch, bits, d
     assert served["updates"] >= 25 and served["attends"] >= 25, served  # and most steps were bound ones
 
 
-def test_greedy_generation_is_token_identical_with_bound_steps(monkeypatch):
+@pytest.mark.parametrize("bits,d,hkv,group", [((2, 2), 128, 8, 4), ((4, 2), 128, 8, 4), ((2, 2), 64, 4, 1)])
+@pytest.mark.parametrize("evaluate", [True, False])
+def test_bound_resident_steps_compute_what_the_regular_paths_compute(monkeypatch, bits, d, hkv, group, evaluate):
+    """Resident caches: the codes written in place with the decoded token from the same launch; the copy handed
+    out, attention over it and the saved codes bit-identical to the regular paths (which stage the codes)."""
+    before = dict(decode_step.stats)
+    kw = dict(bits=bits, d=d, hkv=hkv, group=group, prompt=250, steps=40, evaluate=evaluate, trim_at=20,
+              mode="resident")
+    got = _run(True, monkeypatch, **kw)
+    served = {k: decode_step.stats[k] - before[k] for k in before}
+    monkeypatch.setattr(cache_append, "INPLACE", False)  # the reference: codes staged, written by slice updates
+    want = _run(False, monkeypatch, **kw)
+    ok_out = all(_same(a, b) for a, b in zip(got[0], want[0]))
+    ok_fetch = all(_same(a, b) for pa, pb in zip(got[1], want[1]) for a, b in zip(pa, pb))
+    ok_state = all(_same(a, b) for a, b in zip(got[2], want[2])) and got[3] == want[3]
+    ok = ok_out and ok_fetch and ok_state
+    _record("decode-step-resident", ok, f"bits={bits} d={d} hkv={hkv} group={group} evaluate={evaluate} "
+            f"served={served}")
+    assert ok_out and ok_fetch and ok_state
+    assert served["updates"] >= 20, served
+
+
+@pytest.mark.parametrize("mode", ["packed", "resident"])
+def test_greedy_generation_is_token_identical_with_bound_steps(monkeypatch, mode):
     from mlx_lm.models import llama
 
     args = llama.ModelArgs(model_type="llama", hidden_size=512, num_hidden_layers=4, intermediate_size=1024,
@@ -86,7 +111,7 @@ def test_greedy_generation_is_token_identical_with_bound_steps(monkeypatch):
 
     def generate(bound):
         monkeypatch.setattr(decode_step, "ENABLED", bound)
-        caches = [RVQKVCache((2, 2)) for _ in range(args.num_hidden_layers)]
+        caches = [RVQKVCache((2, 2), mode=mode) for _ in range(args.num_hidden_layers)]
         y = mx.argmax(model(prompt, cache=caches)[:, -1], axis=-1)
         toks = []
         for _ in range(64):
@@ -98,6 +123,6 @@ def test_greedy_generation_is_token_identical_with_bound_steps(monkeypatch):
     got = generate(True)
     served = decode_step.stats["updates"] - before
     want = generate(False)
-    _record("decode-step-generation", got == want, f"64 tokens, 4 layers, served={served}")
+    _record("decode-step-generation", got == want, f"{mode}: 64 tokens, 4 layers, served={served}")
     assert got == want
     assert served >= 4 * 50

@@ -11,12 +11,14 @@ TARGET_GROUPS; 3 and 396); ``fuse`` = the tensor-core split kernel with the merg
 launch (kernel_mma.FUSED_MERGE on); ``nofuse`` = the split kernel and the merge kernel, two launches (the default);
 ``binary`` = every precompiled kernel launched with its whole binary, not by reference (kernel_ref.BY_REFERENCE
 off); ``unbound`` = no decode step bound, every step through the regular paths (decode_step.ENABLED off);
+``noinplace`` = no code written in place (cache_append.INPLACE off: packed caches take the copy append or slice
+updates, resident caches stage their codes, and neither binds its steps);
 ``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
 ``simt`` for fp16 calls on CUDA."""
 
 from __future__ import annotations
 
-from rvqstore import decode_step, host_malloc, kernel_ref
+from rvqstore import cache_append, decode_step, host_malloc, kernel_ref
 from rvqstore.attention import kernel, kernel_mma
 
 VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False, "VALUE_COORDS": 4},
@@ -26,10 +28,11 @@ VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False
             "swap": {"TENSOR_CORES": True, "SWAPPED": True}, "noswap": {"TENSOR_CORES": True, "SWAPPED": False},
             "occ4": {"TENSOR_CORES": True, "BLOCKS_PER_SM": 4, "TARGET_GROUPS": 528},
             "fuse": {"FUSED_MERGE": True}, "nofuse": {"FUSED_MERGE": False},
-            "binary": {"BY_REFERENCE": False}, "unbound": {"ENABLED": False}, "default": {}}
+            "binary": {"BY_REFERENCE": False}, "unbound": {"ENABLED": False}, "noinplace": {"INPLACE": False},
+            "default": {}}
 _MODULE = {"TENSOR_CORES": kernel_mma, "STRIDED": kernel_mma, "SWAPPED": kernel_mma, "BLOCKS_PER_SM": kernel_mma,
            "TARGET_GROUPS": kernel_mma, "FUSED_MERGE": kernel_mma,
-           "BY_REFERENCE": kernel_ref, "ENABLED": decode_step}  # settings that live outside kernel.py
+           "BY_REFERENCE": kernel_ref, "ENABLED": decode_step, "INPLACE": cache_append}  # settings that live outside kernel.py
 
 
 def settings(name: str) -> dict:
