@@ -53,10 +53,6 @@ _verified: set = set()
 #: (then the copy append or slice updates: the same bytes)
 INPLACE = os.environ.get("RVQSTORE_INPLACE", "1").strip() != "0"
 
-#: the Hadamard butterflies of strides below 32 by warp shuffles (same bits, fewer barriers); False: all in shared
-#: memory (RVQSTORE_APPEND_SHUFFLES=0)
-SHUFFLES = os.environ.get("RVQSTORE_APPEND_SHUFFLES", "1").strip() != "0"
-
 #: first-use check: share of code words that must equal the codec's encode (norms may differ by one
 #: bfloat16 ulp on a handful of vectors, which re-codes those vectors)
 MIN_EQUAL_WORDS = 0.98
@@ -77,19 +73,17 @@ _WRITABLE = "\ntemplate <typename T> __device__ inline T* rvq_writable(const T* 
 
 
 def _kernel(resident: bool, copy: bool = False, inplace: bool = False):
-    shfl = SHUFFLES
-    k = _kernel_fns.get((resident, copy, inplace, shfl))
+    k = _kernel_fns.get((resident, copy, inplace))
     if k is None:
         prelude = fused.load_source("rvq_prelude_cuda.cuh")
         header = (prelude + ("\n#define RVQ_APPEND_RESIDENT 1" if resident else "")
                   + ("\n#define RVQ_APPEND_COPY 1" if copy else "")
                   + ("\n#define RVQ_APPEND_INPLACE 1" + _WRITABLE if inplace else "")
-                  + ("\n#define RVQ_APPEND_SHFL 1" if shfl else "")
                   + "\n" + fused.load_source("rvq_common.h"))
         body = fused.load_source("rvq_attend_body_prelude_cuda.inc") + fused.load_source("rvq_append.inc")
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
         variant = ("_res" if resident else "") + ("_copy" if copy else "") + ("_inplace" if inplace else "")
-        k = _kernel_fns[(resident, copy, inplace, shfl)] = kernel_cache.cuda_kernel(  # compiled once per machine
+        k = _kernel_fns[(resident, copy, inplace)] = kernel_cache.cuda_kernel(  # compiled once per machine
             name=f"rvq_append{variant}_{digest}",
             input_names=["k", "v", "sg", "tab", "dtab", "lim", "params"]
             + (["cnt", "oks", "ok1", "ok2", "ovs", "ov1", "ov2"] if copy else [])
@@ -124,16 +118,16 @@ class _Setup:
         self.config_base = (codec.dim, codec.bits1, codec.bits2, codec.residual, codec.seed)
 
     def config(self, dtype, resident: bool, *extra) -> tuple:
-        key = (dtype, resident, SHUFFLES) + extra
+        key = (dtype, resident) + extra
         c = self.configs.get(key)
-        if c is None:  # another kernel source is another configuration (its own first-use check)
-            c = self.configs[key] = self.config_base + (SHUFFLES, str(dtype), resident) + extra
+        if c is None:
+            c = self.configs[key] = self.config_base + (str(dtype), resident) + extra
         return c
 
     def call(self, codec, keys: mx.array, values: mx.array, resident: bool) -> "_Call":
         """The launch's arguments for keys like ``keys`` (made once per shape and dtypes)."""
         shape, dtype = keys.shape, keys.dtype
-        key = (shape, dtype, values.dtype, resident, SHUFFLES)
+        key = (shape, dtype, values.dtype, resident)
         c = self.calls.get(key)
         if c is None:
             lead = tuple(shape[:-1])
@@ -154,7 +148,7 @@ class _Setup:
         """The copy launch's arguments but its token count (made once per shape, dtypes and capacities:
         they change when the buffers grow)."""
         shape = keys.shape
-        key = (shape, keys.dtype, values.dtype, cap_old, cap, SHUFFLES)
+        key = (shape, keys.dtype, values.dtype, cap_old, cap)
         c = self.copies.get(key)
         if c is None:
             b, h, t, d = shape
@@ -173,7 +167,7 @@ class _Setup:
         """The in-place launch's arguments (made once per shape, dtypes, capacity and mode; ``resident``: the
         launch also hands out the new tokens decoded)."""
         shape = keys.shape
-        key = (shape, keys.dtype, values.dtype, cap, "inplace", resident, SHUFFLES)
+        key = (shape, keys.dtype, values.dtype, cap, "inplace", resident)
         c = self.copies.get(key)
         if c is None:
             b, h, t, d = shape

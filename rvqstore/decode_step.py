@@ -43,7 +43,7 @@ class DecodeStep:
     """One cache's bound step: the in-place append (``update``), what the cache hands out after it (the mode's:
     :class:`PackedStep`, :class:`ResidentStep`), and for packed caches the attention kernels (``attend``)."""
 
-    __slots__ = ("keys_stream", "kb", "vb", "cap", "shape", "dtype", "append", "shuffles", "dims",
+    __slots__ = ("keys_stream", "kb", "vb", "cap", "shape", "dtype", "append", "dims",
                  "attention", "qshape", "qdtype", "scale", "settings")
 
     def __init__(self, cache, keys: mx.array, append: tuple):
@@ -54,7 +54,6 @@ class DecodeStep:
         self.cap = k._scales.shape[-1]
         self.shape, self.dtype = keys.shape, keys.dtype
         self.append = append
-        self.shuffles = cache_append.SHUFFLES  # the append kernel's source: a flipped switch takes the regular path
         b, h, _, d = keys.shape
         self.dims = (b, h, d, 2 * b * h * d)
         self.attention = None  # (split, merge) once bind_attention ran for these buffers
@@ -79,8 +78,7 @@ class DecodeStep:
         """``update_and_fetch``'s result for a single-token step, or None (the regular path serves it)."""
         if (type(keys) is not mx.array or type(values) is not mx.array or keys.shape != self.shape
                 or values.shape != self.shape or keys.dtype != self.dtype or values.dtype != self.dtype
-                or not self._same_buffers(cache) or not cache_append.INPLACE or cache_append.SHUFFLES != self.shuffles
-                or not fused._on_gpu()):
+                or not self._same_buffers(cache) or not cache_append.INPLACE or not fused._on_gpu()):
             return None
         k, v = cache._keys, cache._values
         n = k._n

@@ -182,14 +182,21 @@ def test_compiled_step_path_matches_unfused_path(mode):
         assert mx.array_equal(a, b)
 
 
-def test_resident_steps_stage_their_codes_and_read_back_the_same():
-    # a resident cache writes single steps' codes into its buffers in blocks (_Stream.stage); whatever
-    # reads them (state, trim, a prefill) sees exactly what a packed cache wrote step by step
+@pytest.mark.parametrize("inplace", [False, True])
+def test_resident_steps_stage_their_codes_and_read_back_the_same(monkeypatch, inplace):
+    # a resident cache writes single steps' codes into its buffers in blocks (_Stream.stage), or on CUDA in
+    # place from the launch that decodes them (cache_append.INPLACE); whatever reads them (state, trim, a
+    # prefill) sees exactly what a packed cache wrote step by step
+    from rvqstore import cache_append, fused
+
+    monkeypatch.setattr(cache_append, "INPLACE", inplace)
+    in_place = inplace and fused.gpu_backend() == "cuda" and fused._on_gpu()
     k, v = kv(70, seed=5)
     res, pk = RVQKVCache((2, 2), mode="resident"), RVQKVCache((2, 2))
     for c in (res, pk):
         feed(c, k, v, [9] + [1] * 40)
-    assert res._keys._staged and res.n_coded == pk.n_coded == 49  # 40 steps: two blocks written, 8 staged
+    # 40 steps: two blocks written, 8 staged; or every step written in place, nothing staged
+    assert bool(res._keys._staged) != in_place and res.n_coded == pk.n_coded == 49
     for a, b in zip(res.state, pk.state):
         assert (a is None and b is None) or mx.array_equal(a, b)
     assert not res._keys._staged

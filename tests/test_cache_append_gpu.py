@@ -76,33 +76,6 @@ def test_gpu_fused_append_agrees_with_the_codec(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0][0]}+{c[0][1]}-{c[1][:4]}-d{c[2]}-{c[3]}-h{c[4]}-t{c[5]}")
-def test_gpu_shuffled_butterflies_give_the_same_bits(case, monkeypatch):
-    """The append kernel's Hadamard strides below 32 by warp shuffles (cache_append.SHUFFLES) or all in shared
-    memory: the same sums in the same order, so the same norms, codes and decoded rows, bit for bit."""
-    if cache_append.fused.gpu_backend() != "cuda":
-        pytest.skip("the fused append is CUDA only")
-    bits, residual, d, dtype, h, t = case
-    rng = np.random.default_rng(d + t + 1)
-    x = rng.standard_normal((2, 1, h, t, d)).astype(np.float32) * 3.0
-    k, v = (mx.array(a).astype(dtype) for a in x)
-    codec = RVQCodec(d, bits, 0, residual)
-    outs = {}
-    for shfl in (True, False):
-        monkeypatch.setattr(cache_append, "SHUFFLES", shfl)
-        outs[shfl] = cache_append.launch(codec, k, v, resident=True)
-        mx.eval(outs[shfl])
-    same = all(a.dtype == b.dtype and bool(mx.array_equal(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a,
-                                                          b.view(mx.uint16) if b.dtype == mx.bfloat16 else b).item())
-               for a, b in zip(outs[True], outs[False]))
-    if REPORT:
-        with open(REPORT, "a") as f:
-            f.write(f"append-shuffles-vs-shared\t{'pass' if same else 'FAIL'}\t{case[:2]} d={d} {dtype} h={h} t={t} "
-                    f"norms, codes and decoded rows bit-identical={same}\n")
-    assert same
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["packed", "resident"])
 def test_gpu_cache_steps_through_the_fused_append(mode):
     if cache_append.fused.gpu_backend() != "cuda":

@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: resident-tests gen-resident gen-resident-2 append append-shfl attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -35,9 +35,6 @@ for s in "$@"; do
     append) step append 200 $py tools/bench_append.py --contexts 1024,32768 --rounds 21 \
         --arms kv,packed-2+2,packed-2+2@noinplace,resident-2+2,resident-2+2@noinplace,resident-2+2@unbound,resident-4+2 \
         --json "$OUT/append.json" ;;
-    append-shfl) step append-shfl 200 $py tools/bench_append.py --contexts 1024,32768 --rounds 31 \
-        --arms kv,packed-2+2,packed-2+2@noshfl,resident-2+2,resident-2+2@noshfl,packed-4+2,packed-4+2@noshfl \
-        --json "$OUT/append-shfl.json" ;;
     gen-resident-2) step gen-resident-2 420 $py tools/bench_generation.py --model random \
         --arms kv,resident-2+2,resident-2+2@noinplace,resident-4+2,packed-2+2,packed-4+2 \
         --steps 8 --rounds 7 --contexts 1024,8192,32768 --json "$OUT/gen-resident-2.json" --md "$OUT/gen-resident-2.md" ;;

@@ -11,8 +11,7 @@ TARGET_GROUPS; 3 and 396); ``fuse`` = the tensor-core split kernel with the merg
 launch (kernel_mma.FUSED_MERGE on); ``nofuse`` = the split kernel and the merge kernel, two launches (the default);
 ``binary`` = every precompiled kernel launched with its whole binary, not by reference (kernel_ref.BY_REFERENCE
 off); ``unbound`` = no decode step bound, every step through the regular paths (decode_step.ENABLED off);
-``noshfl`` = the append kernel's butterflies all in shared memory (cache_append.SHUFFLES off; strides below 32
-by warp shuffles is the default); ``noinplace`` = no code written in place (cache_append.INPLACE off: packed caches take the copy append or slice
+``noinplace`` = no code written in place (cache_append.INPLACE off: packed caches take the copy append or slice
 updates, resident caches stage their codes, and neither binds its steps);
 ``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
 ``simt`` for fp16 calls on CUDA."""
@@ -30,11 +29,10 @@ VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False
             "occ4": {"TENSOR_CORES": True, "BLOCKS_PER_SM": 4, "TARGET_GROUPS": 528},
             "fuse": {"FUSED_MERGE": True}, "nofuse": {"FUSED_MERGE": False},
             "binary": {"BY_REFERENCE": False}, "unbound": {"ENABLED": False}, "noinplace": {"INPLACE": False},
-            "noshfl": {"SHUFFLES": False},
             "default": {}}
 _MODULE = {"TENSOR_CORES": kernel_mma, "STRIDED": kernel_mma, "SWAPPED": kernel_mma, "BLOCKS_PER_SM": kernel_mma,
            "TARGET_GROUPS": kernel_mma, "FUSED_MERGE": kernel_mma,
-           "BY_REFERENCE": kernel_ref, "ENABLED": decode_step, "INPLACE": cache_append, "SHUFFLES": cache_append}  # settings that live outside kernel.py
+           "BY_REFERENCE": kernel_ref, "ENABLED": decode_step, "INPLACE": cache_append}  # settings that live outside kernel.py
 
 
 def settings(name: str) -> dict:
