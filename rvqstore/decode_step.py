@@ -43,7 +43,7 @@ class DecodeStep:
     """One cache's bound step: the in-place append (``update``), what the cache hands out after it (the mode's:
     :class:`PackedStep`, :class:`ResidentStep`), and for packed caches the attention kernels (``attend``)."""
 
-    __slots__ = ("keys_stream", "kb", "vb", "cap", "shape", "dtype", "append", "dims",
+    __slots__ = ("keys_stream", "kb", "vb", "cap", "shape", "dtype", "append",
                  "attention", "qshape", "qdtype", "scale", "settings")
 
     def __init__(self, cache, keys: mx.array, append: tuple):
@@ -54,8 +54,6 @@ class DecodeStep:
         self.cap = k._scales.shape[-1]
         self.shape, self.dtype = keys.shape, keys.dtype
         self.append = append
-        b, h, _, d = keys.shape
-        self.dims = (b, h, d, 2 * b * h * d)
         self.attention = None  # (split, merge) once bind_attention ran for these buffers
         self.qshape = self.qdtype = self.scale = self.settings = None
 
@@ -143,11 +141,13 @@ class DecodeStep:
 class PackedStep(DecodeStep):
     """A packed cache's step: hands out the unpack launch's decode (the hook never evaluates it)."""
 
-    __slots__ = ("fetch",)
+    __slots__ = ("fetch", "dims")
 
     def __init__(self, cache, keys: mx.array, append: tuple, fetch: tuple):
         super().__init__(cache, keys, append)
         self.fetch = fetch
+        b, h, _, d = keys.shape
+        self.dims = (b, h, d, 2 * b * h * d)
 
     def _hand_out(self, cache, outs: list, n: int) -> tuple:
         frun, finputs, ftg = self.fetch
