@@ -30,7 +30,8 @@ Each round: ``--steps`` one-token steps over ``--layers`` layers (8 KV heads, 32
 128, float16, batch 1, no mask: mlx-lm's single-token call) at ``--context`` tokens, then a trim back
 and an evaluation of the caches' state outside the timing (``--no-trim``: no trim, the caches keep
 growing as in a steady decode; a packed cache copies its buffers once after a trim before it writes in
-place again). Round 0 is a warm-up (setups, first uses).
+place again; a resident cache stages its codes, unbound, until it passes where it was, so only ``--no-trim``
+shows its bound steps). Round 0 is a warm-up (setups, first uses).
 """
 
 from __future__ import annotations
