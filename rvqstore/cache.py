@@ -167,9 +167,10 @@ class _Stream:
             self._count = None
 
     def inplace_ok(self, t: int) -> bool:
-        """Whether ``t`` new tokens can be written in place now: room in the buffers, and nothing handed
-        out before can read their positions."""
-        return self._scales is not None and self._n >= self._hw and self._n + t <= self._scales.shape[-1]
+        """Whether ``t`` new tokens can be written in place after the staged ones (which :meth:`live` writes
+        first): room in the buffers, and nothing handed out before can read their positions."""
+        n = self._n + self._staged_n
+        return self._scales is not None and n >= self._hw and n + t <= self._scales.shape[-1]
 
     def wrote_inplace(self, t: int, count: mx.array) -> None:
         """Record an in-place write of ``t`` tokens whose readers must take ``count``."""

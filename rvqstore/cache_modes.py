@@ -268,10 +268,9 @@ class Resident(DecodedCopy):
             return False
         n, t = k.n, keys.shape[2]
         out = None
-        if n and cache_append.INPLACE and k._scales is not None and k._hw <= n and n + t <= k._scales.shape[-1]:
+        if n and cache_append.INPLACE and k.inplace_ok(t):
             kb, count = k.live()  # staged steps written first: in place goes after them
-            if k.inplace_ok(t):
-                out = cache_append.append_inplace(k.codec, keys, values, kb, v.live()[0], n, count, True)
+            out = cache_append.append_inplace(k.codec, keys, values, kb, v.live()[0], n, count, True)
         if out is not None:
             k.wrote_inplace(t, out[0])
             v.wrote_inplace(t, out[0])
