@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -26,6 +26,12 @@ step() {  # step NAME LIMIT_S CMD...: the command's output, status and seconds a
 
 for s in "$@"; do
   case $s in
+    trace) RVQSTORE_CUPTI=$PWD/.gpu/e/libcupti.so.13 step trace 300 $py tools/trace_step.py \
+        --arms kv,packed-2+2,packed-4+2,resident-2+2 --contexts 1024,32768 --steps 6 --rounds 3 \
+        --json "$OUT/trace-step.json" --md "$OUT/trace-step.md" ;;
+    trace-128k) RVQSTORE_CUPTI=$PWD/.gpu/e/libcupti.so.13 step trace-128k 240 $py tools/trace_step.py \
+        --arms kv,packed-2+2 --contexts 131072 --steps 6 --rounds 3 \
+        --json "$OUT/trace-step-128k.json" --md "$OUT/trace-step-128k.md" ;;
     resident-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-resident.txt step resident-tests 300 \
         $py -m pytest -q -rfE -p no:cacheprovider tests/test_decode_step_gpu.py tests/test_cache_append_gpu.py \
         tests/test_cache_inplace_gpu.py tests/test_decode_step.py ;;
