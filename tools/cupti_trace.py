@@ -19,13 +19,14 @@ Record layouts are those of CUPTI 13.0 (``CUpti_ActivityKernel10``, ``CUpti_Acti
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-KIND_MEMCPY, KIND_MEMSET, KIND_RUNTIME, KIND_DRIVER, KIND_KERNEL = 1, 2, 5, 6, 10
+KIND_MEMCPY, KIND_MEMSET, KIND_DRIVER, KIND_RUNTIME, KIND_KERNEL = 1, 2, 4, 5, 10
 DOMAIN_DRIVER, DOMAIN_RUNTIME = 1, 2
 CUPTI_SUCCESS, CUPTI_MAX_LIMIT_REACHED = 0, 3
 
@@ -96,10 +97,18 @@ class Tracer:
         self._complete = _COMPLETE(self._on_complete)
         self._check(self.lib.cuptiActivityRegisterCallbacks(self._request, self._complete),
                     "cuptiActivityRegisterCallbacks")
-        kinds = [KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET] + ([KIND_RUNTIME, KIND_DRIVER] if api else [])
-        for k in kinds:
+        self.kinds = []
+        for k in (KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET):
             self._check(self.lib.cuptiActivityEnable(ctypes.c_int(k)), f"cuptiActivityEnable({k})")
-        self.kinds = kinds
+            self.kinds.append(k)
+        self.refused = {}
+        for k in ((KIND_RUNTIME, KIND_DRIVER) if api else ()):
+            rc = self.lib.cuptiActivityEnable(ctypes.c_int(k))  # API records are optional: some setups refuse one
+            if rc == CUPTI_SUCCESS:
+                self.kinds.append(k)
+            else:
+                self.refused[k] = rc
+        atexit.register(self.close)  # CUPTI flushes at exit otherwise, into callbacks Python has torn down
 
     @staticmethod
     def _check(rc, what):
@@ -121,9 +130,12 @@ class Tracer:
         return sorted(out, key=lambda a: a.start)
 
     def close(self) -> None:
-        self.flush()
+        if not self.kinds:
+            return
         for k in self.kinds:
             self.lib.cuptiActivityDisable(ctypes.c_int(k))
+        self.kinds = []
+        self.flush()
 
     # CUPTI's callbacks -------------------------------------------------------------------------
     def _on_request(self, buf_ptr, size_ptr, max_records_ptr):
