@@ -289,3 +289,31 @@ def test_gpu_fused_merge_many_calls_at_once():
     bad = sum(not bool(mx.array_equal(o, alone[i % 6])) for i, o in enumerate(outs))
     _record("mma-fused-merge-concurrent", bad == 0, f"300 calls at once, {bad} differ from the call alone")
     assert bad == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{c[0][0]}+{c[0][1]}-{c[1][:4]}-d{c[2]}-h{c[3]}g{c[4]}"
+                         f"-L{c[5]}-n{c[6]}-b{c[7]}-w{c[8]}")
+@pytest.mark.parametrize("swapped", [True, False], ids=["swap", "rows"])
+def test_gpu_quick_setup_and_merge_give_the_first_versions_bits(case, swapped, monkeypatch):
+    """The split kernel's setup with its loads issued at once and the queries rotated by shuffles
+    (kernel_mma.QUICK_SETUP), and the merge kernel reading the splits side by side and un-rotating by shuffles
+    (kernel.QUICK_MERGE), compute the same sums in the same order as their first versions: the same bits."""
+    bits, residual, d, hkv, g, L, n, b, window = case
+    monkeypatch.setattr(kernel_mma, "SWAPPED", swapped)
+    c, _, _ = _cache(bits, hkv, n, d, b=b, window=window, residual=residual, seed=n + 2)
+    view = c.codes_view()
+    q = mx.array(np.random.default_rng(n + 3).standard_normal((b, hkv * g, L, d)).astype(np.float32)).astype(mx.float16)
+    scale, causal = d ** -0.5, L > 1
+    outs = {}
+    for quick in (True, False):
+        monkeypatch.setattr(kernel_mma, "QUICK_SETUP", quick)
+        monkeypatch.setattr(kernel, "QUICK_MERGE", quick)
+        o, ml = kernel_mma.launch(view, q, L, causal, scale)
+        out = kernel.merge(view, o, ml, (b, hkv * g, L, d), mx.float16, "cuda")
+        mx.eval(o, ml, out)
+        outs[quick] = (o, ml, out)
+    same = [bool(mx.array_equal(x, y, equal_nan=True)) for x, y in zip(outs[True], outs[False])]
+    layout = "swap" if swapped and g * L <= 8 else "rows"
+    _record("mma-quick-setup-merge", all(same), f"{case} {layout} identical o/ml/merged={same}")
+    assert all(same)

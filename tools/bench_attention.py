@@ -83,7 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--probes", default="", help="with --breakdown: also time the tensor-core kernel with parts "
                     "switched off (kernel_mma.PROBE: 1 no code loads, 2 no table reads, 3 neither; wrong results)")
     ap.add_argument("--timeline", action="store_true", help="CUDA: the tensor-core kernel's own clock per threadgroup "
-                    "(probe 4: entry, loop start, loop end, exit; with 5/6/7 also probes 1/2/3), first bits")
+                    "(probe 4: entry, loop start, loop end, exit; with 5/6/7 also probes 1/2/3; probe 4 again under each "
+                    "--variants entry), first bits")
     ap.add_argument("--mma-targets", default="", help="with --breakdown: also time the tensor-core kernel alone "
                     "with kernel_mma.TARGET_GROUPS set to each (comma list)")
     ap.add_argument("--layers", type=int, default=1, help="caches per arm, called in turn (see above)")
@@ -172,6 +173,8 @@ def main(argv=None) -> int:
             view = arms_views[0] if arms_views else None
             for probe in (4, 5, 6, 7) if view is not None else ():
                 timeline[f"probe{probe}"] = _timeline(view, qs, hkv, hq, d, probe)
+            for var in (x for x in a.variants.split(",") if x and view is not None):  # probe 4 under each variant
+                timeline[f"probe4-{var}"] = kernel_variants.run(var, lambda: _timeline(view, qs, hkv, hq, d, 4))
         times = {name: [] for name in arms}
         evals = {name: [] for name in arms}
         for name, f in arms.items():  # warm up: compile, first-use checks

@@ -34,7 +34,7 @@ _INPUTS = (mx.float16, mx.float32, mx.float32, mx.bfloat16, mx.uint32, mx.uint32
 _CALLS = {"swap": "      compute_swap(tile, kwa, vwa, ka, va);", "rows": "      compute(tile, kwa, vwa, ka, va);"}
 
 
-def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int) -> str:
+def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, setup: int = 1) -> str:
     """The translation unit of one configuration, as a host nvcc takes it."""
     old = kernel_mma.BLOCKS_PER_SM
     kernel_mma.BLOCKS_PER_SM = blocks
@@ -43,7 +43,7 @@ def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int) ->
     finally:
         kernel_mma.BLOCKS_PER_SM = old
     template = [("T_B1", bits[0]), ("T_B2", bits[1]), ("T_D", d), ("T_R", rows), ("T_STRIDE", 1),
-                ("T_SWAP", int(swap)), ("T_PROBE", 0)]
+                ("T_SWAP", int(swap)), ("T_SETUP", setup), ("T_PROBE", 0)]
     _, tu = k.source_for(template, _INPUTS, (mx.float32, mx.float32))
     # NVRTC has no <stdint.h>; the host compiler does, and refuses these two typedefs again
     return tu.replace("typedef long long int64_t;", "").replace("typedef unsigned long long uint64_t;", "")

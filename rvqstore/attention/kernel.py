@@ -285,6 +285,10 @@ def _bind_split(view: CodesView, q: mx.array, dialect: str, scale: float) -> tup
 
 
 _merges: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # value codec -> {config: arguments}
+#: the merge kernel reads the splits' m and l side by side and un-rotates by shuffles below stride 32 (``T_QUICK`` in
+#: kernels/rvq_attend_merge.inc; the same bits); off (variant ``slowmerge``): the first version, every thread reading
+#: every split's m and l in turn and a barrier pair per butterfly stride
+QUICK_MERGE = True
 
 
 def _merge_args(view: CodesView, o_shape: tuple, shape: tuple, dtype) -> list:
@@ -292,13 +296,14 @@ def _merge_args(view: CodesView, o_shape: tuple, shape: tuple, dtype) -> list:
     per = _merges.get(vc)
     if per is None:
         per = _merges[vc] = {}
-    key = (tuple(shape), tuple(o_shape), view.n_kv_heads, dtype)
+    key = (tuple(shape), tuple(o_shape), view.n_kv_heads, dtype, QUICK_MERGE)
     args = per.get(key)
     if args is None:
         b, hq, l, dv = shape
         bh, splits, rows, _ = o_shape
         args = per[key] = [_folded_signs(vc, 1.0 / dv), _static((splits, hq // view.n_kv_heads, l)),
-                           [("T_DV", dv), ("T_R", rows), ("OutT", dtype)], (bh * rows * dv, 1, 1), (dv, 1, 1),
+                           [("T_DV", dv), ("T_R", rows), ("T_QUICK", int(QUICK_MERGE)), ("OutT", dtype)],
+                           (bh * rows * dv, 1, 1), (dv, 1, 1),
                            [tuple(shape)], [dtype], None]
     return args
 
@@ -462,7 +467,7 @@ def settings() -> tuple:
     """The switches a call's decision and plans depend on (a bound call holds only while they stay)."""
     return (KEY_LANES, PAIR_TABLES, STAGE_CODES, VALUE_COORDS, kernel_mma.TENSOR_CORES, kernel_mma.FUSED_MERGE,
             kernel_mma.PROBE, kernel_mma.TARGET_GROUPS, kernel_mma.STRIDED, kernel_mma.SWAPPED,
-            kernel_mma.BLOCKS_PER_SM, len(_disabled))
+            kernel_mma.BLOCKS_PER_SM, kernel_mma.QUICK_SETUP, QUICK_MERGE, len(_disabled))
 
 
 def bind(view: CodesView, queries: mx.array, scale: float) -> tuple | None:
