@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -29,8 +29,10 @@ for s in "$@"; do
     quick-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-quick.txt step quick-tests 300 \
         $py -m pytest -q -rfE -p no:cacheprovider tests/test_attention_mma_gpu.py tests/test_attention_gpu.py \
         tests/test_decode_step_gpu.py ;;
+    quick-mma) RVQ_ATTN_PARITY_REPORT=$OUT/parity-quick-mma.txt step quick-mma 200 \
+        $py -m pytest -q -rfE -p no:cacheprovider tests/test_attention_mma_gpu.py ;;
     attn-quick) step attn-quick 300 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
-        --rounds 7 --k 10 --variants slowboth,slowsetup,slowmerge --timeline --json "$OUT/attention-quick.json" ;;
+        --rounds 7 --k 10 --variants slowboth,slowsplit,slowmerge --timeline --json "$OUT/attention-quick.json" ;;
     trace-quick) RVQSTORE_CUPTI=$PWD/.gpu/e/libcupti.so.13 step trace-quick 300 $py tools/trace_step.py \
         --arms kv,packed-2+2,packed-2+2@slowboth,packed-4+2,packed-4+2@slowboth --contexts 1024,32768 --steps 6 \
         --rounds 3 --json "$OUT/trace-step-quick.json" --md "$OUT/trace-step-quick.md" ;;

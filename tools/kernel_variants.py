@@ -13,8 +13,8 @@ launch (kernel_mma.FUSED_MERGE on); ``nofuse`` = the split kernel and the merge 
 off); ``unbound`` = no decode step bound, every step through the regular paths (decode_step.ENABLED off);
 ``noinplace`` = no code written in place (cache_append.INPLACE off: packed caches take the copy append or slice
 updates, resident caches stage their codes, and neither binds its steps);
-``slowsetup`` = the tensor-core split kernel's first setup (a loop turn per load, a barrier per butterfly stride of
-the queries' rotation; kernel_mma.QUICK_SETUP off); ``slowmerge`` = the merge kernel's first version (kernel.QUICK_MERGE
+``slowsplit`` = the tensor-core split kernel's first setup and warp merge (a loop turn per load, a barrier per
+butterfly stride of the queries' rotation, a barrier per warp; kernel_mma.QUICK_SPLIT off); ``slowmerge`` = the merge kernel's first version (kernel.QUICK_MERGE
 off); ``slowboth`` = both; ``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
 ``simt`` for fp16 calls on CUDA."""
 
@@ -31,10 +31,10 @@ VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False
             "occ4": {"TENSOR_CORES": True, "BLOCKS_PER_SM": 4, "TARGET_GROUPS": 528},
             "fuse": {"FUSED_MERGE": True}, "nofuse": {"FUSED_MERGE": False},
             "binary": {"BY_REFERENCE": False}, "unbound": {"ENABLED": False}, "noinplace": {"INPLACE": False},
-            "slowsetup": {"QUICK_SETUP": False}, "slowmerge": {"QUICK_MERGE": False},
-            "slowboth": {"QUICK_SETUP": False, "QUICK_MERGE": False}, "default": {}}
+            "slowsplit": {"QUICK_SPLIT": False}, "slowmerge": {"QUICK_MERGE": False},
+            "slowboth": {"QUICK_SPLIT": False, "QUICK_MERGE": False}, "default": {}}
 _MODULE = {"TENSOR_CORES": kernel_mma, "STRIDED": kernel_mma, "SWAPPED": kernel_mma, "BLOCKS_PER_SM": kernel_mma,
-           "TARGET_GROUPS": kernel_mma, "FUSED_MERGE": kernel_mma, "QUICK_SETUP": kernel_mma,
+           "TARGET_GROUPS": kernel_mma, "FUSED_MERGE": kernel_mma, "QUICK_SPLIT": kernel_mma,
            "BY_REFERENCE": kernel_ref, "ENABLED": decode_step, "INPLACE": cache_append}  # settings that live outside kernel.py
 
 

@@ -114,10 +114,12 @@ BLOCK = 64
 #: kernels/rvq_attend_mma.inc): half the mma and none of the zero rows' register moves of the rows-first layout,
 #: which serves 9-16 rows (and every call with RVQSTORE_MMA_SWAP=0)
 SWAPPED = os.environ.get("RVQSTORE_MMA_SWAP", "1").strip() != "0"
-#: the split kernel's setup issues its table and query loads at once and rotates the queries in registers (``T_SETUP``
-#: in kernels/rvq_attend_mma.inc; the same bits); off (variant ``slowsetup``): a loop turn per load and a barrier per
-#: butterfly stride, the first setup, kept for same-run comparisons
-QUICK_SETUP = True
+#: the split kernel's setup issues its table and query loads at once and rotates the queries in registers (the same
+#: bits), and up to 4 query rows its warps' partials merge in one round instead of four (the products no longer fused
+#: into the sums: the last bits of ``o`` may differ); ``T_QUICK`` in kernels/rvq_attend_mma.inc. Off (variant
+#: ``slowsplit``): the first versions (a loop turn per load, a barrier per butterfly stride, a barrier per warp),
+#: kept for same-run comparisons
+QUICK_SPLIT = True
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
 #: threadgroups per launch the split plan aims at: BLOCKS_PER_SM per SM of an H200 (132 SMs), one wave
@@ -147,7 +149,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     if per is None:
         per = _launches[kc] = {}
     key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS, STRIDED, SWAPPED,
-           BLOCKS_PER_SM, QUICK_SETUP)
+           BLOCKS_PER_SM, QUICK_SPLIT)
     p = per.get(key)
     if p is not None:
         return p
@@ -159,7 +161,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     p.qf = mx.array([scale * _LOG2E / math.sqrt(d)], dtype=mx.float32)
     p.lut, p.two = _table_array(kc), kc.bits2 > 0
     p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_D", d), ("T_R", rows), ("T_STRIDE", int(STRIDED)),
-                  ("T_SWAP", int(SWAPPED)), ("T_SETUP", int(QUICK_SETUP)), ("T_PROBE", PROBE)]
+                  ("T_SWAP", int(SWAPPED)), ("T_QUICK", int(QUICK_SPLIT)), ("T_PROBE", PROBE)]
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
     p.run = None  # the prepared launch, made at the first call (when the inputs' dtypes are known)
