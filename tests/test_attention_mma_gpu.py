@@ -172,6 +172,25 @@ def test_the_fused_merges_counter_ring(monkeypatch):
     assert kernel_mma._sem_slot(8) is first[3]
 
 
+def test_the_quick_kernels_are_chosen_by_setting_and_dialect(monkeypatch):
+    """The split kernel's quick setup and warp merge follow kernel_mma.QUICK_SPLIT (template T_QUICK, part of the
+    plan's key, so switching it makes a new launch); the merge kernel's quick version follows kernel.QUICK_MERGE on
+    CUDA only (its bits are recorded there, not on Metal)."""
+    c, _, _ = _cache((2, 2), 2, 40, 128)
+    view = c.codes_view()
+    templates = {}
+    for quick in (True, False):
+        monkeypatch.setattr(kernel_mma, "QUICK_SPLIT", quick)
+        templates[quick] = dict(kernel_mma._plan(view, 256, 2, 4, 1, False, 0.1).template)
+    assert templates[True]["T_QUICK"] == 1 and templates[False]["T_QUICK"] == 0
+    shape, o_shape = (1, 8, 1, 128), (2, 3, 4, 128)
+    for quick in (True, False):
+        monkeypatch.setattr(kernel, "QUICK_MERGE", quick)
+        for dialect in ("cuda", "metal"):
+            t = dict(kernel._merge_args(view, o_shape, shape, mx.float16, dialect)[2])
+            assert t["T_QUICK"] == int(quick and dialect == "cuda")
+
+
 # ---- on the GPU ------------------------------------------------------------------------------------------
 MMA_CASES = [
     # (bits, residual, d, hkv, group, L, n, b, window)

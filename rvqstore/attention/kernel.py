@@ -287,22 +287,24 @@ def _bind_split(view: CodesView, q: mx.array, dialect: str, scale: float) -> tup
 _merges: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # value codec -> {config: arguments}
 #: the merge kernel reads the splits' m and l side by side and un-rotates by shuffles below stride 32 (``T_QUICK`` in
 #: kernels/rvq_attend_merge.inc; the same bits); off (variant ``slowmerge``): the first version, every thread reading
-#: every split's m and l in turn and a barrier pair per butterfly stride
+#: every split's m and l in turn and a barrier pair per butterfly stride. CUDA only: on Metal (where it is the same
+#: body, never run on Apple hardware here) the first version serves until its bits are recorded there
 QUICK_MERGE = True
 
 
-def _merge_args(view: CodesView, o_shape: tuple, shape: tuple, dtype) -> list:
+def _merge_args(view: CodesView, o_shape: tuple, shape: tuple, dtype, dialect: str) -> list:
     vc = view.value_codec
     per = _merges.get(vc)
     if per is None:
         per = _merges[vc] = {}
-    key = (tuple(shape), tuple(o_shape), view.n_kv_heads, dtype, QUICK_MERGE)
+    quick = QUICK_MERGE and dialect == "cuda"  # its bits recorded on CUDA only (no Metal machine has run it)
+    key = (tuple(shape), tuple(o_shape), view.n_kv_heads, dtype, quick)
     args = per.get(key)
     if args is None:
         b, hq, l, dv = shape
         bh, splits, rows, _ = o_shape
         args = per[key] = [_folded_signs(vc, 1.0 / dv), _static((splits, hq // view.n_kv_heads, l)),
-                           [("T_DV", dv), ("T_R", rows), ("T_QUICK", int(QUICK_MERGE)), ("OutT", dtype)],
+                           [("T_DV", dv), ("T_R", rows), ("T_QUICK", int(quick)), ("OutT", dtype)],
                            (bh * rows * dv, 1, 1), (dv, 1, 1),
                            [tuple(shape)], [dtype], None]
     return args
@@ -310,7 +312,7 @@ def _merge_args(view: CodesView, o_shape: tuple, shape: tuple, dtype) -> list:
 
 def merge(view: CodesView, o: mx.array, ml: mx.array, shape: tuple, dtype, dialect: str) -> mx.array:
     """The merge kernel: splits -> normalized, un-rotated output ``shape`` = (B, Hq, L, Dv) in ``dtype``."""
-    args = _merge_args(view, o.shape, shape, dtype)
+    args = _merge_args(view, o.shape, shape, dtype, dialect)
     inputs = [o, ml, args[0], args[1]]
     if dialect == "metal":
         return _kernel(dialect, "merge")(inputs=inputs, template=args[2], grid=args[3], threadgroup=args[4],
@@ -495,7 +497,7 @@ def bind(view: CodesView, queries: mx.array, scale: float) -> tuple | None:
     split = kernel_mma.bind(view, queries, 1, False, scale) if mma else _bind_split(view, queries, dialect, scale)
     if split is None:
         return None
-    args = _merge_args(view, split[2][0], (b, hq, l, view.value_codec.dim), queries.dtype)
+    args = _merge_args(view, split[2][0], (b, hq, l, view.value_codec.dim), queries.dtype, dialect)
     if args[7] is None:
         return None
     return split, (args[7], [None, None, args[0], args[1]], args[5], args[3], args[4])
