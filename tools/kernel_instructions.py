@@ -10,6 +10,8 @@ as the mma's rows; ``swap``: as its columns, up to 8 rows) and the launch bounds
 compared side by side:
 
     python tools/kernel_instructions.py --bits 2+2,4+2,4+4 --rows 4,8 --json tools/results/kernel-instructions-sm90.json
+    python tools/kernel_instructions.py --bits 2+2,4+2,4+4 --rows 4,8 --layouts swap --quick 1,0 \
+        --json tools/results/kernel-instructions-sm90-quick.json
 """
 
 from __future__ import annotations
@@ -68,17 +70,18 @@ def compile_stats(tu: str, work: Path, name: str) -> dict:
             "spill_load_bytes": int(spill.group(2)) if spill else None, "instructions": size // 16}
 
 
-def measure(bits, d, rows, layout, blocks, work: Path) -> dict:
-    tu = source(bits, d, rows, layout == "swap", blocks)
+def measure(bits, d, rows, layout, blocks, work: Path, quick: int = 1) -> dict:
+    tu = source(bits, d, rows, layout == "swap", blocks, quick)
     call = _CALLS[layout]
     if tu.count(call) != 1:
         raise SystemExit(f"the tile loop's call {call.strip()!r} is not in the kernel once: update this tool")
     again = call.strip().replace("(tile, kwa, vwa, ka, va)", "(tile + 3u, kwa, vwa, kb, vb)")
     twice = tu.replace(call, "      { " + call.strip() + " " + again + " }")  # one statement (an if/else branch)
-    name = f"b{bits[0]}{bits[1]}_d{d}_r{rows}_{layout}_tg{blocks}"
+    name = f"b{bits[0]}{bits[1]}_d{d}_r{rows}_{layout}_tg{blocks}_q{quick}"
     one = compile_stats(tu, work, name)
     two = compile_stats(twice, work, name + "_twice")
-    return {"bits": f"{bits[0]}+{bits[1]}", "d": d, "rows": rows, "layout": layout, "blocks_per_sm": blocks, **one,
+    return {"bits": f"{bits[0]}+{bits[1]}", "d": d, "rows": rows, "layout": layout, "blocks_per_sm": blocks,
+            "quick": quick, **one,
             "tile_compute_instructions": two["instructions"] - one["instructions"]}
 
 
@@ -89,6 +92,8 @@ def main() -> None:
     ap.add_argument("--rows", default="4", help="comma list of query rows per KV head (<= 16)")
     ap.add_argument("--layouts", default="swap,rows", help="swap (up to 8 rows), rows")
     ap.add_argument("--blocks", default="3", help="comma list of threadgroups per SM in the launch bounds")
+    ap.add_argument("--quick", default="1", help="comma list of T_QUICK values (1: the quick setup and warp merge, "
+                    "kernel_mma.QUICK_SPLIT; 0: the first versions)")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
     for tool in ("nvcc", "readelf"):
@@ -104,9 +109,10 @@ def main() -> None:
                         if layout == "swap" and rows > 8:
                             continue
                         for blocks in (int(x) for x in a.blocks.split(",")):
-                            row = measure(bits, d, rows, layout, blocks, Path(tmp))
-                            out.append(row)
-                            print(json.dumps(row), flush=True)
+                            for quick in (int(x) for x in a.quick.split(",")):
+                                row = measure(bits, d, rows, layout, blocks, Path(tmp), quick)
+                                out.append(row)
+                                print(json.dumps(row), flush=True)
     if a.json:
         meta = {"command": "python tools/kernel_instructions.py " + " ".join(sys.argv[1:]),
                 "nvcc": subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
