@@ -53,7 +53,7 @@ def _timeline(view, qs, hkv, hq, d, probe: int, calls: int = 5) -> dict:
         finally:
             kernel_mma.PROBE = 0
         mx.eval(o)
-        t = np.array(o[:, :, 0, :4]).view(np.uint32).astype(np.int64).reshape(-1, 4)
+        t = _clocks(o)
         t = (t - t[:, :1].min()) % (1 << 32)  # relative to the first entry (low 32 bits of ns wrap)
         spans.append(int(t[:, 3].max()))
         setup.append(float(np.median(t[:, 1] - t[:, 0])))
@@ -65,6 +65,41 @@ def _timeline(view, qs, hkv, hq, d, probe: int, calls: int = 5) -> dict:
     return {"threadgroups": int(t.shape[0]), "span_us": med(spans) / 1e3, "setup_us": med(setup) / 1e3,
             "loop_us": med(loop) / 1e3, "loop_max_us": med(loop_max) / 1e3, "merge_us": med(tail) / 1e3,
             "entry_spread_us": med(spread) / 1e3}
+
+
+def _clocks(o) -> np.ndarray:
+    t = np.array(o[:, :, 0, :4]).view(np.uint32).astype(np.int64).reshape(-1, 4)
+    return t
+
+
+def _timeline_pair(view, qs, hkv, hq, d, flush_mb: int, calls: int = 5) -> dict:
+    """Probe 4 twice in a row: a launch right after ``flush_mb`` MB streamed through the device (the model's
+    matmuls stream its weights between two layers' attention: what L2 held is gone), then the same launch again
+    right after it (only a one-element ``where`` between them). Per launch: the threadgroups' setup / loop /
+    merge and the launch's span (medians over ``calls``). Where the second launch's fixed costs fall, what the
+    first paid was its code and data being fetched again, not its work."""
+    flush = mx.zeros((flush_mb << 18,), dtype=mx.float32)
+    mx.eval(flush)
+    rows = {"cold": [], "warm": []}
+    for i in range(calls):
+        q = qs[i % len(qs)]
+        kernel_mma.PROBE = 4
+        try:
+            f = (flush + 1.0).sum()  # every byte of the flush read once, then the first launch
+            o1, _ = kernel_mma.launch(view, mx.where(mx.isnan(f), q, q), 1, False, d ** -0.5)
+            o2, _ = kernel_mma.launch(view, mx.where(mx.isnan(o1[0, 0, 0, 0]), q, q), 1, False, d ** -0.5)
+        finally:
+            kernel_mma.PROBE = 0
+        mx.eval(o1, o2)
+        for key, o in (("cold", o1), ("warm", o2)):
+            t = _clocks(o)
+            t = (t - t[:, :1].min()) % (1 << 32)
+            rows[key].append((int(t[:, 3].max()), float(np.median(t[:, 1] - t[:, 0])),
+                              float(np.median(t[:, 2] - t[:, 1])), float(np.median(t[:, 3] - t[:, 2]))))
+    med = statistics.median
+    return {key: {"span_us": med(r[0] for r in v) / 1e3, "setup_us": med(r[1] for r in v) / 1e3,
+                  "loop_us": med(r[2] for r in v) / 1e3, "merge_us": med(r[3] for r in v) / 1e3}
+            for key, v in rows.items()} | {"flush_mb": flush_mb}
 
 
 def main(argv=None) -> int:
@@ -85,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true", help="CUDA: the tensor-core kernel's own clock per threadgroup "
                     "(probe 4: entry, loop start, loop end, exit; with 5/6/7 also probes 1/2/3; probe 4 again under each "
                     "--variants entry), first bits")
+    ap.add_argument("--timeline-pair", type=int, default=0, metavar="MB", help="with --timeline: also probe 4 "
+                    "after MB megabytes streamed through the device and again right after (cold / warm launch)")
     ap.add_argument("--mma-targets", default="", help="with --breakdown: also time the tensor-core kernel alone "
                     "with kernel_mma.TARGET_GROUPS set to each (comma list)")
     ap.add_argument("--layers", type=int, default=1, help="caches per arm, called in turn (see above)")
@@ -173,6 +210,8 @@ def main(argv=None) -> int:
             view = arms_views[0] if arms_views else None
             for probe in (4, 5, 6, 7) if view is not None else ():
                 timeline[f"probe{probe}"] = _timeline(view, qs, hkv, hq, d, probe)
+            if a.timeline_pair and view is not None:
+                timeline["pair"] = _timeline_pair(view, qs, hkv, hq, d, a.timeline_pair)
             for var in (x for x in a.variants.split(",") if x and view is not None):  # probe 4 under each variant
                 timeline[f"probe4-{var}"] = kernel_variants.run(var, lambda: _timeline(view, qs, hkv, hq, d, 4))
         times = {name: [] for name in arms}
