@@ -317,8 +317,8 @@ def test_gpu_fused_merge_many_calls_at_once():
 def test_gpu_quick_split_and_merge_against_the_first_versions(case, swapped, monkeypatch):
     """The split kernel with its setup's loads issued at once, the queries rotated by shuffles and (up to 4 rows)
     the warps merged in one round (kernel_mma.QUICK_SPLIT) against its first version: the same m and l bits (the
-    same rotated queries, scores and softmax), o within 2^-20 of its scale (the warps' products are no longer fused
-    into their sums); the merge kernel reading the splits side by side and un-rotating by shuffles
+    same rotated queries, scores and softmax), o within 2^-20 of its scale (each warp's product is rounded
+    before its sum, where a compiler may fuse the first version's; identical in every case recorded); the merge kernel reading the splits side by side and un-rotating by shuffles
     (kernel.QUICK_MERGE) gives its first version's bits on the same partials."""
     bits, residual, d, hkv, g, L, n, b, window = case
     monkeypatch.setattr(kernel_mma, "SWAPPED", swapped)

@@ -115,8 +115,9 @@ BLOCK = 64
 #: which serves 9-16 rows (and every call with RVQSTORE_MMA_SWAP=0)
 SWAPPED = os.environ.get("RVQSTORE_MMA_SWAP", "1").strip() != "0"
 #: the split kernel's setup issues its table and query loads at once and rotates the queries in registers (the same
-#: bits), and up to 4 query rows its warps' partials merge in one round instead of four (the products no longer fused
-#: into the sums: the last bits of ``o`` may differ); ``T_QUICK`` in kernels/rvq_attend_mma.inc. Off (variant
+#: bits), and up to 4 query rows its warps' partials merge in one round instead of four (each product rounded before
+#: its sum; identical ``o`` in every case recorded on the H200, where a compiler could have fused the first version's
+#: products into its sums); ``T_QUICK`` in kernels/rvq_attend_mma.inc. Off (variant
 #: ``slowsplit``): the first versions (a loop turn per load, a barrier per butterfly stride, a barrier per warp),
 #: kept for same-run comparisons
 QUICK_SPLIT = True
