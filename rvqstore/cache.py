@@ -608,7 +608,7 @@ class RVQKVCache:
         where decode-then-SDPA serves the call (resident mode holds decoded keys/values already;
         calls with many queries; see rvqstore.attention.dispatch)."""
         geo = self.geometry
-        if not self._mode.attends_on_codes or geo is None:
+        if not self._mode.attends_on_codes or geo is None or attention.dispatch.decode_first(self.offset):
             return None
         shape = queries.shape
         if len(shape) != 4 or shape[1] % geo[1] or shape[3] != geo[2]:

@@ -333,3 +333,45 @@ def test_host_path_keeps_numpys_blas_to_one_thread_and_restores_it():
             assert get() == 2
         finally:
             set_(before)
+
+
+def test_short_caches_on_cuda_leave_attention_to_decode_then_sdpa(monkeypatch):
+    """dispatch.MIN_TOKENS_ON_CODES_CUDA: on CUDA a cache holding fewer tokens declines attention on its codes, and
+    the model's call runs mlx-lm's SDPA on what update_and_fetch handed out (the bypass's result, bit for bit); at
+    or above it, or off CUDA, or with the setting at 0 (the default), the codes serve. CUDA is stood in for where
+    dispatch asks, so the CPU's host path serves the calls that are not declined."""
+    import types
+
+    from rvqstore import make_prompt_cache
+    from rvqstore.attention import dispatch
+
+    fake = types.SimpleNamespace(gpu_backend=lambda: "cuda", _on_gpu=lambda: True)
+    monkeypatch.setattr(dispatch, "fused", fake)
+    model, _ = _tiny("llama")
+    tokens = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]])
+    outs = {}
+    for name, threshold in (("declined", 64), ("codes", 0)):
+        monkeypatch.setattr(dispatch, "MIN_TOKENS_ON_CODES_CUDA", threshold)
+        cache = make_prompt_cache(model, (4, 2))
+        model(tokens, cache=cache)
+        served = []
+        real = RVQKVCache.attend_on_codes
+        monkeypatch.setattr(RVQKVCache, "attend_on_codes", lambda self, q, **kw: served.append(
+            real(self, q, **kw)) or served[-1])
+        step = model(mx.array([[7]]), cache=cache)
+        monkeypatch.setattr(RVQKVCache, "attend_on_codes", real)
+        for c in cache:
+            c.trim(1)
+        with hook.bypass():
+            reference = model(mx.array([[7]]), cache=cache)
+        mx.eval(step, reference)
+        outs[name] = (served, bool(mx.array_equal(step, reference)), float(mx.abs(step - reference).max()))
+    served, same, _ = outs["declined"]
+    assert served and all(o is None for o in served) and same  # 11 tokens < 64: decode-then-SDPA, the bypass's bits
+    served, _, diff = outs["codes"]
+    assert served and all(o is not None for o in served) and diff < 1e-3  # served from the codes
+    assert dispatch.decode_first(0) is False  # the setting at 0: never
+    monkeypatch.setattr(dispatch, "MIN_TOKENS_ON_CODES_CUDA", 64)
+    assert dispatch.decode_first(63) and not dispatch.decode_first(64)
+    fake.gpu_backend = lambda: "metal"  # not CUDA: the setting does not apply
+    assert not dispatch.decode_first(10)

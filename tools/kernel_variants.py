@@ -15,13 +15,15 @@ off); ``unbound`` = no decode step bound, every step through the regular paths (
 updates, resident caches stage their codes, and neither binds its steps);
 ``slowsplit`` = the tensor-core split kernel's first setup and warp merge (a loop turn per load, a barrier per
 butterfly stride of the queries' rotation, a barrier per warp; kernel_mma.QUICK_SPLIT off); ``slowmerge`` = the merge kernel's first version (kernel.QUICK_MERGE
-off); ``slowboth`` = both; ``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
+off); ``slowboth`` = both; ``sdpaNk`` = on CUDA, caches of fewer than N x 1024 tokens decline attention on the codes
+(decode-then-SDPA on what update_and_fetch handed out; dispatch.MIN_TOKENS_ON_CODES_CUDA); ``sdpa`` = that at every
+length (the other arm of the crossover); ``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
 ``simt`` for fp16 calls on CUDA."""
 
 from __future__ import annotations
 
 from rvqstore import cache_append, decode_step, host_malloc, kernel_ref
-from rvqstore.attention import kernel, kernel_mma
+from rvqstore.attention import dispatch, kernel, kernel_mma
 
 VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False, "VALUE_COORDS": 4},
             "nopair": {"PAIR_TABLES": False}, "nostage": {"STAGE_CODES": False}, "v4": {"VALUE_COORDS": 4},
@@ -32,10 +34,12 @@ VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False
             "fuse": {"FUSED_MERGE": True}, "nofuse": {"FUSED_MERGE": False},
             "binary": {"BY_REFERENCE": False}, "unbound": {"ENABLED": False}, "noinplace": {"INPLACE": False},
             "slowsplit": {"QUICK_SPLIT": False}, "slowmerge": {"QUICK_MERGE": False},
-            "slowboth": {"QUICK_SPLIT": False, "QUICK_MERGE": False}, "default": {}}
+            "slowboth": {"QUICK_SPLIT": False, "QUICK_MERGE": False},
+            "sdpa": {"MIN_TOKENS_ON_CODES_CUDA": 1 << 31}, "default": {}}
 _MODULE = {"TENSOR_CORES": kernel_mma, "STRIDED": kernel_mma, "SWAPPED": kernel_mma, "BLOCKS_PER_SM": kernel_mma,
            "TARGET_GROUPS": kernel_mma, "FUSED_MERGE": kernel_mma, "QUICK_SPLIT": kernel_mma,
-           "BY_REFERENCE": kernel_ref, "ENABLED": decode_step, "INPLACE": cache_append}  # settings that live outside kernel.py
+           "BY_REFERENCE": kernel_ref, "ENABLED": decode_step, "INPLACE": cache_append,
+           "MIN_TOKENS_ON_CODES_CUDA": dispatch}  # settings that live outside kernel.py
 
 
 def settings(name: str) -> dict:
@@ -44,7 +48,9 @@ def settings(name: str) -> dict:
         return VARIANTS[name]
     if name.startswith("kl") and name[2:].isdigit():
         return {"KEY_LANES": int(name[2:])}
-    raise SystemExit(f"unknown kernel variant {name!r}: one of {sorted(VARIANTS)} or klN")
+    if name.startswith("sdpa") and name.endswith("k") and name[4:-1].isdigit():
+        return {"MIN_TOKENS_ON_CODES_CUDA": 1024 * int(name[4:-1])}
+    raise SystemExit(f"unknown kernel variant {name!r}: one of {sorted(VARIANTS)}, klN or sdpaNk")
 
 
 def apply(name: str) -> dict:
