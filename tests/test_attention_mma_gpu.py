@@ -318,8 +318,9 @@ def test_gpu_quick_split_and_merge_against_the_first_versions(case, swapped, mon
     """The split kernel with its setup's loads issued at once, the queries rotated by shuffles and (up to 4 rows)
     the warps merged in one round (kernel_mma.QUICK_SPLIT) against its first version: the same m and l bits (the
     same rotated queries, scores and softmax), o within 2^-20 of its scale (each warp's product is rounded
-    before its sum, where a compiler may fuse the first version's; identical in every case recorded); the merge kernel reading the splits side by side and un-rotating by shuffles
-    (kernel.QUICK_MERGE) gives its first version's bits on the same partials."""
+    before its sum, where a compiler may fuse the first version's; identical in every case recorded); the merge
+    kernel reading the splits side by side and un-rotating by shuffles (kernel.QUICK_MERGE) gives its first
+    version's bits on the same partials."""
     bits, residual, d, hkv, g, L, n, b, window = case
     monkeypatch.setattr(kernel_mma, "SWAPPED", swapped)
     c, _, _ = _cache(bits, hkv, n, d, b=b, window=window, residual=residual, seed=n + 2)
@@ -344,6 +345,7 @@ def test_gpu_quick_split_and_merge_against_the_first_versions(case, swapped, mon
     d_ml = float(np.abs(np.array(ml1) - np.array(ml0))[fin].max()) if fin.any() else 0.0
     ok = same_ml and err_o <= 2.0 ** -20 and same_merge
     layout = "swap" if swapped and g * L <= 8 else "rows"
-    _record("mma-quick-split-merge", ok, f"{case} {layout} ml identical={same_ml} (max diff {d_ml:.1e}) o rel diff={err_o:.1e} "
+    _record("mma-quick-split-merge", ok, f"{case} {layout} ml identical={same_ml} (max diff {d_ml:.1e}) "
+            f"o rel diff={err_o:.1e} "
             f"merge identical={same_merge}")
     assert ok, (same_ml, err_o, same_merge)

@@ -118,8 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--probes", default="", help="with --breakdown: also time the tensor-core kernel with parts "
                     "switched off (kernel_mma.PROBE: 1 no code loads, 2 no table reads, 3 neither; wrong results)")
     ap.add_argument("--timeline", action="store_true", help="CUDA: the tensor-core kernel's own clock per threadgroup "
-                    "(probe 4: entry, loop start, loop end, exit; with 5/6/7 also probes 1/2/3; probe 4 again under each "
-                    "--variants entry), first bits")
+                    "(probe 4: entry, loop start, loop end, exit; with 5/6/7 also probes 1/2/3; probe 4 again "
+                    "under each --variants entry), first bits")
     ap.add_argument("--timeline-pair", type=int, default=0, metavar="MB", help="with --timeline: also probe 4 "
                     "after MB megabytes streamed through the device and again right after (cold / warm launch)")
     ap.add_argument("--mma-targets", default="", help="with --breakdown: also time the tensor-core kernel alone "

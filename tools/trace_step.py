@@ -163,7 +163,7 @@ def run(a):
     res = {"command": "python tools/trace_step.py " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "mlx": mx.__version__, "device": str(mx.default_device()), "model": desc, "cupti": tracer.version,
-           "contexts": {}}
+           "layers": n_layers, "contexts": {}}
     for n in [int(x) for x in a.contexts.split(",")]:
         caches = {}
         for arm in arms:
@@ -205,7 +205,8 @@ def markdown(res):
              "the gaps between the step's first and last kernel; first = from the start of the evaluation (step) or "
              "of the token (stream) to the first kernel; tail = after the last kernel until the host had the token.",
              "", "| context | arm | mode | wall | build | busy | idle in span | first | tail | kernels | rvq | sdpa | "
-             "matmul | copy | other classes |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "matmul | copy | other classes |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for n, arms in res["contexts"].items():
         for arm, modes in arms.items():
             for mode, r in modes.items():
@@ -224,6 +225,15 @@ def markdown(res):
             calls = ", ".join(f"{k} {v:.0f} us / {r['api_count'].get(k, 0):.0f}" for k, v in
                               sorted(r["api_us"].items(), key=lambda kv: -kv[1])[:5])
             lines.append(f"- {n} {arm}: {calls}")
+    layers = res.get("layers")
+    if layers:
+        lines += ["", f"Attention-side kernels per layer (step mode, median us per step / {layers} layers):", ""]
+        for n, arms in res["contexts"].items():
+            for arm, modes in arms.items():
+                per = {k: v / layers for k, v in modes["step"]["top_kernels_us"].items()
+                       if kernel_class(k) in ("rvq-attend", "rvq-append", "rvq-other", "sdpa", "copy")}
+                lines.append(f"- {n} {arm}: " + ", ".join(f"{kernel_class(k)} `{k[:32]}` {v:.1f}"
+                                                           for k, v in per.items()))
     lines += ["", "Top kernels per step (step mode, median us):", ""]
     for n, arms in res["contexts"].items():
         for arm, modes in arms.items():
