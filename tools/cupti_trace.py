@@ -14,7 +14,8 @@ turns those records into plain tuples; ``tools/trace_step.py`` reads decode step
 
 Record layouts are those of CUPTI 13.0 (``CUpti_ActivityKernel10``, ``CUpti_ActivityMemcpy6``,
 ``CUpti_ActivityMemset4``, ``CUpti_ActivityAPI``): offsets measured with ``offsetof`` against
-``cupti_activity.h`` 13.0.85 (the library that travels must be that version; ``Tracer`` checks it).
+``cupti_activity.h`` 13.0.85: the library that travels must be that version (``Tracer.version`` holds the API
+version it loaded, 130001 for 13.0; ``tests/test_cupti_trace.py`` reads synthetic records at these offsets).
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ from pathlib import Path
 
 KIND_MEMCPY, KIND_MEMSET, KIND_DRIVER, KIND_RUNTIME, KIND_KERNEL = 1, 2, 4, 5, 10
 DOMAIN_DRIVER, DOMAIN_RUNTIME = 1, 2
-CUPTI_SUCCESS, CUPTI_MAX_LIMIT_REACHED = 0, 3
+CUPTI_SUCCESS = 0
 
 # offsetof(...) in cupti_activity.h 13.0.85
-_KERNEL = {"start": 16, "end": 24, "stream": 48, "grid": 52, "block": 64, "correlation": 92, "name": 104,
-           "registers": 6}
+_KERNEL = {"start": 16, "end": 24, "grid": 52, "block": 64, "name": 104, "registers": 6}
 _COPY = {"start": 16, "end": 24, "bytes": 8}
-_API = {"cbid": 4, "start": 8, "end": 16, "thread": 28}
+_API = {"cbid": 4, "start": 8, "end": 16}
 
 BUFFER_BYTES = 32 << 20  # large: a buffer that fills mid-step is parsed (in Python) while the step runs
 
