@@ -375,3 +375,57 @@ def test_short_caches_on_cuda_leave_attention_to_decode_then_sdpa(monkeypatch):
     assert dispatch.decode_first(63) and not dispatch.decode_first(64)
     fake.gpu_backend = lambda: "metal"  # not CUDA: the setting does not apply
     assert not dispatch.decode_first(10)
+
+
+def test_prefill_sized_calls_on_the_cpu_are_served_from_the_codes():
+    """On the CPU the host formulation takes calls of any number of queries (a prefill chunk, here 40, more
+    than MAX_QUERIES_ON_CODES), in bounded query blocks, and matches decode-then-SDPA; where it declines
+    (3-bit stages: no group tables) a call that long goes to decode-then-SDPA (None), a short one to the
+    MLX-ops formulation."""
+    from rvqstore.attention import dispatch
+
+    hkv, group, d, n, L = 2, 3, 64, 90, 40
+    assert L > dispatch.MAX_QUERIES_ON_CODES
+    k, v = _kv(1, hkv, n, d, mx.float32, seed=21)
+    q = mx.array(np.random.default_rng(22).standard_normal((1, hkv * group, L, d)).astype(np.float32))
+    for bits in ((2, 2), (3, 1)):
+        cache = RVQKVCache(bits, flush_block=4)
+        K, V = cache.update_and_fetch(k, v)
+        got = cache.attend_on_codes(q, scale=d ** -0.5, mask="causal")
+        if bits == (3, 1):
+            assert got is None
+            short = cache.attend_on_codes(q[:, :, -3:], scale=d ** -0.5, mask="causal")
+            ref = mx.fast.scaled_dot_product_attention(q[:, :, -3:], K, V, scale=d ** -0.5, mask="causal")
+            assert short is not None and float(mx.abs(short - ref).max()) <= _tolerance(mx.float32, V, ref)
+            continue
+        ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=d ** -0.5, mask="causal")
+        assert got is not None and got.shape == ref.shape
+        assert float(mx.abs(got - ref).max()) <= _tolerance(mx.float32, V, ref)
+
+
+def test_calls_the_kernels_do_not_take_on_cuda_use_the_mlx_ops_formulation_only_on_long_caches(monkeypatch):
+    """dispatch.MIN_TOKENS_FOR_OPS_CUDA: on CUDA (stood in for where dispatch asks; the host path off, no kernel)
+    a call on a cache shorter than the threshold declines (decode-then-SDPA serves it); at or above it the MLX-ops
+    formulation serves, with ops.attend's result; on Metal the threshold does not apply."""
+    import types
+
+    from rvqstore.attention import dispatch
+
+    fake = types.SimpleNamespace(gpu_backend=lambda: "cuda", _on_gpu=lambda: True)
+    monkeypatch.setattr(dispatch, "fused", fake)
+    monkeypatch.setattr(dispatch.host, "on_cpu", lambda: False)
+    monkeypatch.setattr(dispatch.kernel, "attend", lambda *a, **kw: None)
+    hkv, group, d, n = 2, 4, 64, 70
+    cache = RVQKVCache((4, 2), flush_block=4)
+    k, v = _kv(1, hkv, n, d, mx.float32, seed=31)
+    cache.update_and_fetch(k, v)
+    view = cache.codes_view()
+    q = mx.array(np.random.default_rng(32).standard_normal((1, hkv * group, 3, d)).astype(np.float32))
+    assert dispatch.MIN_TOKENS_FOR_OPS_CUDA > n
+    assert dispatch.attend(view, q, 0.125, "causal") is None
+    monkeypatch.setattr(dispatch, "MIN_TOKENS_FOR_OPS_CUDA", n)
+    got = dispatch.attend(view, q, 0.125, "causal")
+    assert got is not None and mx.array_equal(got, ops.attend(view, q, 0.125, "causal"))
+    monkeypatch.setattr(dispatch, "MIN_TOKENS_FOR_OPS_CUDA", n + 1)
+    fake.gpu_backend = lambda: "metal"
+    assert dispatch.attend(view, q, 0.125, "causal") is not None

@@ -1,13 +1,16 @@
 """Which formulation serves one attention call on a packed cache.
 
 - the GPU kernel (:mod:`rvqstore.attention.kernel`) for decode-shaped calls on a GPU backend;
-- on MLX's CPU backend, the same formulation computed on the host (:mod:`rvqstore.attention.host`);
-- the MLX-ops formulation (:mod:`rvqstore.attention.ops`) up to :data:`MAX_QUERIES_ON_CODES` queries;
+- on MLX's CPU backend, the same formulation computed on the host (:mod:`rvqstore.attention.host`), for any
+  number of queries: on the CPU it beat decode-then-SDPA from 1 to 2,048 queries per call (0.11-0.57x of its
+  time; SmolLM2 geometry, 512-4,096 tokens; tools/results/prefill-cpu*.json);
+- the MLX-ops formulation (:mod:`rvqstore.attention.ops`) up to :data:`MAX_QUERIES_ON_CODES` queries, on
+  CUDA only for caches of :data:`MIN_TOKENS_FOR_OPS_CUDA` tokens or more;
 - otherwise None: the caller runs decode-then-SDPA on the keys/values ``update_and_fetch`` returned;
-  on CUDA also for caches shorter than :data:`MIN_TOKENS_ON_CODES_CUDA` (off until measured).
+  on CUDA also for caches shorter than :data:`MIN_TOKENS_ON_CODES_CUDA` (0: never, as measured).
 
-The crossover is measured (tools/bench_generation.py --crossover, results in
-tools/results/generation-crossover-cpu.json): see docs/attention.md.
+The crossovers are measured by ``tools/bench_prefill.py`` (queries per call, ``tools/results/prefill-*.json``)
+and ``tools/bench_generation.py`` arms ``packed-*@sdpa`` (whole decode steps): see docs/attention.md.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from .. import fused
 from . import host, kernel, masks, ops
 from .view import CodesView
 
-#: queries per call up to which attention runs on the codes; above it, decode-then-SDPA. Measured on
-#: the CPU (SmolLM2 geometry, 4+2, 512 and 2,048 cached tokens): codes 1.7-2.0x faster at 1 query,
-#: 1.2-2.7x at 4, 0.97-1.24x at 16, 0.87-1.04x from 64 queries on (docs/attention.md)
+#: queries per call up to which the MLX-ops formulation serves; above it, decode-then-SDPA. The MLX-ops
+#: formulation's scores take (B, Hq, L, T) float32 at once. On the H200 (tools/results/prefill-h200.json) it
+#: beats decode-then-SDPA at 32k tokens up to 16 queries (0.72-0.83x) and loses from 32 (1.3-1.8x)
 MAX_QUERIES_ON_CODES = 16
+#: on CUDA the MLX-ops formulation (calls the kernels do not take) is slower than decoding the cache and
+#: running cuDNN's SDPA on short caches: at 1k tokens 2.4-3.4x, at 8k 1.35-1.5x, faster only at 32k (0.72-0.83x;
+#: 8 and 16 queries, 2+2 and 4+2, 8B geometry; tools/results/prefill-h200.json). Below this, decode-then-SDPA
+MIN_TOKENS_FOR_OPS_CUDA = 32768
 
 
 def _tokens_setting() -> int:
@@ -37,7 +44,8 @@ def _tokens_setting() -> int:
 #: mlx-lm's SDPA (cuDNN) on the decode that ``update_and_fetch`` handed out, as the bypass does. A short cache's
 #: decode is small, and the attention kernels' fixed cost per launch is not (docs/attention.md, "A decode step
 #: as the device sees it"). 0 (the default, ``RVQSTORE_MIN_TOKENS_ON_CODES``): every cache attends on its codes;
-#: the crossover is to be measured (variants ``sdpaNk`` in tools/kernel_variants.py) before a default is chosen.
+#: measured on the H200 (tools/results/generation-h200-crossover.md, 1k-32k tokens, 2+2 and 4+2): decode-then-SDPA
+#: made every step slower (1.02-1.08x at 1k, 1.04-3.15x from 2k on), so the codes serve at every length.
 MIN_TOKENS_ON_CODES_CUDA = _tokens_setting()
 
 
@@ -50,14 +58,19 @@ def attend(view: CodesView, queries: mx.array, scale: float, mask=None, sinks=No
            use_kernels: bool = True) -> mx.array | None:
     if mask is not None:
         masks.check(mask)
-    if view.n_coded + view.n_dense == 0 or queries.shape[2] > MAX_QUERIES_ON_CODES:
+    n_tokens, n_queries = view.n_coded + view.n_dense, queries.shape[2]
+    if n_tokens == 0:
         return None
-    if use_kernels and view.n_coded:
+    if use_kernels and view.n_coded and n_queries <= MAX_QUERIES_ON_CODES:
         out = kernel.attend(view, queries, scale, mask, sinks)
         if out is not None:
             return out
-    if host.on_cpu():
+    if host.on_cpu():  # any number of queries (prefill chunks too): it wins at every count measured
         out = host.attend(view, queries, scale, mask, sinks)
         if out is not None:
             return out
+    if n_queries > MAX_QUERIES_ON_CODES:
+        return None
+    if n_tokens < MIN_TOKENS_FOR_OPS_CUDA and fused.gpu_backend() == "cuda" and fused._on_gpu():
+        return None  # a short cache on CUDA: decoding it and cuDNN's SDPA beat the MLX-ops formulation
     return ops.attend(view, queries, scale, mask, sinks)
