@@ -11,9 +11,11 @@ One layer per call (``--layers`` caches called in turn, as a model's layers read
 holding ``context`` tokens of random keys/values, the ``L`` queries the last ``L`` positions with the causal
 mask mlx-lm passes. Arms, interleaved (the order rotates every round), queries rotating among 4 sets:
 
-- ``codes``: ``RVQKVCache.attend_on_codes`` with the query limit lifted (whatever formulation dispatch
-  picks for the call; ``path`` says which);
+- ``codes``: ``RVQKVCache.attend_on_codes`` with dispatch's limits lifted (``MAX_QUERIES_ON_CODES``,
+  ``MIN_TOKENS_FOR_OPS_CUDA``): the formulation dispatch picks then, ``path`` in each row says which;
 - ``decode+sdpa``: ``keys_and_values()`` (the cache's decode) then mlx's fused SDPA with ``mask="causal"``;
+- ``chosen``: what a model's call gets with dispatch's settings (the codes where it serves, else decode+sdpa;
+  ``chosen`` in each row says which);
 - ``fp16-sdpa``: SDPA on fp16 keys/values of the same length (what mlx-lm's KVCache pays; for scale).
 
 Each sample builds ``--k`` calls and evaluates them with one sync (build and evaluation timed together),
@@ -39,19 +41,31 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rvqstore import RVQKVCache  # noqa: E402
-from rvqstore.attention import dispatch, kernel  # noqa: E402
+from rvqstore.attention import dispatch  # noqa: E402
 
 
-def _path(cache: RVQKVCache, q: mx.array) -> str:
-    """Which formulation dispatch picks for ``q`` on ``cache`` (for the record)."""
-    view = cache.codes_view()
-    rows = q.shape[1] // view.n_kv_heads * q.shape[2]
-    if kernel._decide(view, rows, q.dtype, view.dense_keys is not None, False, dispatch.fused.gpu_backend()) \
-            is not None and dispatch.fused.gpu_backend() and dispatch.fused._on_gpu():
-        return "kernel"
-    if dispatch.host.on_cpu():
-        return "host"
-    return "ops"
+def _path(cache: RVQKVCache, q: mx.array, scale: float) -> str:
+    """Which formulation served a call of ``q`` on ``cache`` (for the record): kernel, host, ops or none."""
+    served = []
+    engines = {"kernel": dispatch.kernel, "host": dispatch.host, "ops": dispatch.ops}
+    real = {name: mod.attend for name, mod in engines.items()}
+
+    def spy(name):
+        def f(*args, **kw):
+            out = real[name](*args, **kw)
+            if out is not None:
+                served.append(name)
+            return out
+        return f
+
+    for name, mod in engines.items():
+        mod.attend = spy(name)
+    try:
+        cache.attend_on_codes(q, scale=scale, mask="causal")
+    finally:
+        for name, mod in engines.items():
+            mod.attend = real[name]
+    return served[0] if served else "none"
 
 
 def _sample(call, qs, k: int, r: int, layers: int) -> float:
@@ -80,17 +94,28 @@ def measure(hq: int, hkv: int, d: int, bits: tuple, n: int, ls: list, layers: in
         caches.append(c)
         dense.append((kk, vv))
     rows = []
-    saved = dispatch.MAX_QUERIES_ON_CODES
-    dispatch.MAX_QUERIES_ON_CODES = 1 << 30  # the codes arm: every call offered to the codes
+    limits = (dispatch.MAX_QUERIES_ON_CODES, dispatch.MIN_TOKENS_FOR_OPS_CUDA)
+
+    def lifted(on: bool) -> None:  # the codes arm: every call offered to the codes, whatever its size
+        dispatch.MAX_QUERIES_ON_CODES, dispatch.MIN_TOKENS_FOR_OPS_CUDA = (1 << 30, 0) if on else limits
+
     try:
         for l in ls:
             qs = [mx.random.normal((1, hq, l, d)).astype(dtype) for _ in range(4)]
             mx.eval(qs)
             def codes(q, i):
-                out = caches[i].attend_on_codes(q, scale=scale, mask="causal")
+                lifted(True)
+                try:
+                    out = caches[i].attend_on_codes(q, scale=scale, mask="causal")
+                finally:
+                    lifted(False)
                 if out is None:
                     raise SystemExit(f"the cache declined a call of {l} queries")
                 return out
+
+            def chosen(q, i):  # what a model's call gets with dispatch's settings
+                out = caches[i].attend_on_codes(q, scale=scale, mask="causal")
+                return decode(q, i) if out is None else out
 
             def decode(q, i):
                 keys, values = caches[i].keys_and_values()
@@ -100,7 +125,7 @@ def measure(hq: int, hkv: int, d: int, bits: tuple, n: int, ls: list, layers: in
                 keys, values = dense[i]
                 return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal")
 
-            arms = {"codes": codes, "decode+sdpa": decode, "fp16-sdpa": fp16}
+            arms = {"codes": codes, "decode+sdpa": decode, "chosen": chosen, "fp16-sdpa": fp16}
             # the two formulations agree on the same cache (a benchmark of a wrong answer measures nothing)
             err = float(mx.max(mx.abs(codes(qs[0], 0).astype(mx.float32) - decode(qs[0], 0).astype(mx.float32))))
             times = {name: [] for name in arms}
@@ -112,14 +137,21 @@ def measure(hq: int, hkv: int, d: int, bits: tuple, n: int, ls: list, layers: in
                     if r:
                         times[name].append(t)
             med = {name: statistics.median(v) for name, v in times.items()}
-            row = {"context": n, "bits": f"{bits[0]}+{bits[1]}", "queries": l, "path": _path(caches[0], qs[0]),
+            chosen_path = _path(caches[0], qs[0], scale)
+            lifted(True)
+            try:
+                path = _path(caches[0], qs[0], scale)
+            finally:
+                lifted(False)
+            row = {"context": n, "bits": f"{bits[0]}+{bits[1]}", "queries": l, "path": path,
+                   "chosen": "decode+sdpa" if chosen_path == "none" else chosen_path,
                    "ms": {name: round(v, 4) for name, v in med.items()},
                    "codes_over_decode": round(med["codes"] / med["decode+sdpa"], 3),
                    "max_abs_diff": err}
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
-        dispatch.MAX_QUERIES_ON_CODES = saved
+        lifted(False)
     return rows
 
 
