@@ -2,7 +2,7 @@
 
 - the GPU kernel (:mod:`rvqstore.attention.kernel`) for decode-shaped calls on a GPU backend;
 - on MLX's CPU backend, the same formulation computed on the host (:mod:`rvqstore.attention.host`), for any
-  number of queries: on the CPU it beat decode-then-SDPA from 1 to 2,048 queries per call (0.11-0.57x of its
+  number of queries: on the CPU it beat decode-then-SDPA from 1 to 2,048 queries per call (0.15-0.62x of its
   time; SmolLM2 geometry, 512-4,096 tokens; tools/results/prefill-cpu*.json);
 - the MLX-ops formulation (:mod:`rvqstore.attention.ops`) up to :data:`MAX_QUERIES_ON_CODES` queries, on
   CUDA only for caches of :data:`MIN_TOKENS_FOR_OPS_CUDA` tokens or more;
@@ -23,13 +23,13 @@ from .. import fused
 from . import host, kernel, masks, ops
 from .view import CodesView
 
-#: queries per call up to which the MLX-ops formulation serves; above it, decode-then-SDPA. The MLX-ops
-#: formulation's scores take (B, Hq, L, T) float32 at once. On the H200 (tools/results/prefill-h200.json) it
-#: beats decode-then-SDPA at 32k tokens up to 16 queries (0.72-0.83x) and loses from 32 (1.3-1.8x)
+#: queries per call up to which the MLX-ops formulation serves; above it, decode-then-SDPA (its scores take
+#: (B, Hq, L, T) float32 at once). On the H200 it beat decode-then-SDPA at 32k tokens up to 16 queries
+#: (0.62-1.01x) and lost from 32 on (1.2-4.2x; tools/results/prefill-h200*.json). Not measured on Metal
 MAX_QUERIES_ON_CODES = 16
 #: on CUDA the MLX-ops formulation (calls the kernels do not take) is slower than decoding the cache and
-#: running cuDNN's SDPA on short caches: at 1k tokens 2.4-3.4x, at 8k 1.35-1.5x, faster only at 32k (0.72-0.83x;
-#: 8 and 16 queries, 2+2 and 4+2, 8B geometry; tools/results/prefill-h200.json). Below this, decode-then-SDPA
+#: running cuDNN's SDPA on short caches: 1.6-4.4x at 1k tokens, 1.2-4.6x at 8k, faster only at 32k (8B
+#: geometry, 2+2 and 4+2, two runs; tools/results/prefill-h200*.json). Below this many tokens, decode-then-SDPA
 MIN_TOKENS_FOR_OPS_CUDA = 32768
 
 
