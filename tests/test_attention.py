@@ -429,3 +429,24 @@ def test_calls_the_kernels_do_not_take_on_cuda_use_the_mlx_ops_formulation_only_
     monkeypatch.setattr(dispatch, "MIN_TOKENS_FOR_OPS_CUDA", n + 1)
     fake.gpu_backend = lambda: "metal"
     assert dispatch.attend(view, q, 0.125, "causal") is not None
+
+
+def test_calls_in_too_many_query_blocks_on_the_cpu_go_to_decode_then_sdpa(monkeypatch):
+    """dispatch.MAX_QUERY_BLOCKS_ON_CPU: the host formulation gathers every code row again per block of queries, so
+    a call it would run in more blocks than the limit declines (None: decode-then-SDPA); up to it, it is served."""
+    from rvqstore.attention import dispatch, host
+
+    hkv, group, d, n, L = 1, 2, 64, 40, 24
+    cache = RVQKVCache((2, 2), flush_block=4)
+    k, v = _kv(1, hkv, n, d, mx.float32, seed=41)
+    K, V = cache.update_and_fetch(k, v)
+    q = mx.array(np.random.default_rng(42).standard_normal((1, hkv * group, L, d)).astype(np.float32))
+    monkeypatch.setattr(host, "MAX_SCORES", hkv * group * n * 3)  # 3 queries per block: 8 blocks
+    assert host.query_blocks(1, hkv * group, n, L) == 8
+    monkeypatch.setattr(dispatch, "MAX_QUERY_BLOCKS_ON_CPU", 7)
+    assert cache.attend_on_codes(q, scale=0.125, mask="causal") is None
+    assert cache.attend_on_codes(q[:, :, -18:], scale=0.125, mask="causal") is not None  # 6 blocks, > 16 queries
+    monkeypatch.setattr(dispatch, "MAX_QUERY_BLOCKS_ON_CPU", 8)
+    got = cache.attend_on_codes(q, scale=0.125, mask="causal")
+    ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=0.125, mask="causal")
+    assert got is not None and float(mx.abs(got - ref).max()) <= _tolerance(mx.float32, V, ref)

@@ -24,6 +24,11 @@ divided by ``k``; medians over
 
     python tools/bench_prefill.py --geometry 9,3,64 --bits 4+2 --contexts 512,2048 --json tools/results/prefill-cpu.json
     python tools/bench_prefill.py --contexts 1024,8192,32768 --bits 2+2,4+2 --json out.json     # 8B geometry, GPU
+
+``--model smollm2`` times whole prefills of the bundled model instead (``rvqstore.generation.prefill``, chunks of
+``--chunk`` tokens, prompts of ``--contexts`` tokens of the bundled text, repeated):
+arms ``kv`` (mlx-lm's KVCache), ``packed-B`` (dispatch as it is) and ``packed-B@decode`` (calls of more than
+``MAX_QUERIES_ON_CODES`` queries left to decode-then-SDPA, as dispatch did before the host path took them).
 """
 
 from __future__ import annotations
@@ -155,6 +160,55 @@ def measure(hq: int, hkv: int, d: int, bits: tuple, n: int, ls: list, layers: in
     return rows
 
 
+def prefill_model(contexts: list, bits_list: list, chunk: int, rounds: int) -> list:
+    """Seconds per whole prefill of the bundled SmolLM2 (float32) by arm; same-run ratios to KVCache's."""
+    from importlib import resources
+
+    from mlx_lm.models.cache import make_prompt_cache as lm_cache
+
+    import rvqstore
+    from rvqstore.generation import prefill
+    from rvqstore.model import load_model
+
+    model, tok = load_model()
+    text = resources.files("rvqstore").joinpath("data/python_docs_excerpt.txt").read_text(encoding="utf-8")
+    ids = tok.encode(text)
+    real_host = dispatch.host.attend
+
+    def short_calls_only(view, q, *args, **kw):  # the rule before: long calls decode then SDPA
+        return None if q.shape[2] > dispatch.MAX_QUERIES_ON_CODES else real_host(view, q, *args, **kw)
+
+    rows = []
+    for n in contexts:
+        tokens = (ids * (n // len(ids) + 1))[:n]
+        arms = {"kv": (lambda: lm_cache(model), False)}
+        for bits in bits_list:
+            b = tuple(int(x) for x in bits.split("+"))
+            arms[f"packed-{bits}"] = ((lambda b: lambda: rvqstore.make_prompt_cache(model, b))(b), False)
+            arms[f"packed-{bits}@decode"] = ((lambda b: lambda: rvqstore.make_prompt_cache(model, b))(b), True)
+        times = {name: [] for name in arms}
+        names = list(arms)
+        for r in range(rounds + 1):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                make, old_rule = arms[name]
+                cache = make()
+                dispatch.host.attend = short_calls_only if old_rule else real_host
+                try:
+                    t0 = time.perf_counter()
+                    prefill(model, tokens, cache, chunk=chunk)
+                    dt = time.perf_counter() - t0
+                finally:
+                    dispatch.host.attend = real_host
+                if r:
+                    times[name].append(dt)
+        med = {name: statistics.median(v) for name, v in times.items()}
+        row = {"context": n, "chunk": chunk, "s": {k: round(v, 3) for k, v in med.items()},
+               "over_kv": {k: round(v / med["kv"], 3) for k, v in med.items()}}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def crossover(rows: list) -> dict:
     """Per (context, bits): the largest query count up to which the codes won at every count measured."""
     out = {}
@@ -179,12 +233,24 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--dtype", choices=("float16", "float32"), default=None,
                     help="default: float16 on a GPU, float32 on the CPU (fp16 matmul is slow there)")
+    ap.add_argument("--model", choices=("smollm2",), help="whole prefills of the bundled model (see above)")
+    ap.add_argument("--chunk", type=int, default=512, help="with --model: prefill chunk, tokens")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     if mx.default_device() == mx.cpu:  # MLX's CPU matmuls on OpenBLAS, as rvqstore's CLI runs them
         from rvqstore.blas import maybe_reexec_with_openblas
 
         maybe_reexec_with_openblas()
+    if a.model:
+        t0 = time.time()
+        rows = prefill_model([int(x) for x in a.contexts.split(",")], a.bits.split(","), a.chunk, a.rounds)
+        result = {"device": str(mx.default_device()), "mlx": mx.__version__, "model": "SmolLM2-135M-Instruct (bundled, float32)",
+                  "rounds": a.rounds, "command": "python tools/bench_prefill.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": round(time.time() - t0, 1),
+                  "rows": rows}
+        if a.json:
+            a.json.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     hq, hkv, d = (int(x) for x in a.geometry.split(","))
     if hq % hkv or min(hq, hkv, d, a.layers, a.rounds, a.k) < 1:
         raise SystemExit("bad geometry or counts")

@@ -1,9 +1,9 @@
 """Which formulation serves one attention call on a packed cache.
 
 - the GPU kernel (:mod:`rvqstore.attention.kernel`) for decode-shaped calls on a GPU backend;
-- on MLX's CPU backend, the same formulation computed on the host (:mod:`rvqstore.attention.host`), for any
-  number of queries: on the CPU it beat decode-then-SDPA from 1 to 2,048 queries per call (0.15-0.62x of its
-  time; SmolLM2 geometry, 512-4,096 tokens; tools/results/prefill-cpu*.json);
+- on MLX's CPU backend, the same formulation computed on the host (:mod:`rvqstore.attention.host`), for calls
+  of any number of queries up to :data:`MAX_QUERY_BLOCKS_ON_CPU` blocks of them (prefill chunks too: it beat
+  decode-then-SDPA from 1 to 2,048 queries per call, tools/results/prefill-cpu*.json);
 - the MLX-ops formulation (:mod:`rvqstore.attention.ops`) up to :data:`MAX_QUERIES_ON_CODES` queries, on
   CUDA only for caches of :data:`MIN_TOKENS_FOR_OPS_CUDA` tokens or more;
 - otherwise None: the caller runs decode-then-SDPA on the keys/values ``update_and_fetch`` returned;
@@ -27,6 +27,11 @@ from .view import CodesView
 #: (B, Hq, L, T) float32 at once). On the H200 it beat decode-then-SDPA at 32k tokens up to 16 queries
 #: (0.62-1.01x) and lost from 32 on (1.2-4.2x; tools/results/prefill-h200*.json). Not measured on Metal
 MAX_QUERIES_ON_CODES = 16
+#: on the CPU, calls the host formulation would run in more blocks of queries than this (each block gathers every
+#: code row again) go to decode-then-SDPA. Measured (tools/results/prefill-cpu*.json): up to 19 blocks the host won
+#: every call (0.15-0.86x of decode-then-SDPA's time: SmolLM2 and 8B geometries, 1 to 2,048 queries, 512 to 16,384
+#: tokens); at 64 blocks (8B geometry, 16k tokens, 512 queries) the two were level (1.02x)
+MAX_QUERY_BLOCKS_ON_CPU = 32
 #: on CUDA the MLX-ops formulation (calls the kernels do not take) is slower than decoding the cache and
 #: running cuDNN's SDPA on short caches: 1.6-4.4x at 1k tokens, 1.2-4.6x at 8k, faster only at 32k (8B
 #: geometry, 2+2 and 4+2, two runs; tools/results/prefill-h200*.json). Below this many tokens, decode-then-SDPA
@@ -65,7 +70,8 @@ def attend(view: CodesView, queries: mx.array, scale: float, mask=None, sinks=No
         out = kernel.attend(view, queries, scale, mask, sinks)
         if out is not None:
             return out
-    if host.on_cpu():  # any number of queries (prefill chunks too): it wins at every count measured
+    if host.on_cpu() and host.query_blocks(queries.shape[0], queries.shape[1], view.n_total, n_queries) \
+            <= MAX_QUERY_BLOCKS_ON_CPU:
         out = host.attend(view, queries, scale, mask, sinks)
         if out is not None:
             return out
