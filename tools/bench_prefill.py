@@ -34,6 +34,7 @@ arms ``kv`` (mlx-lm's KVCache), ``packed-B`` (dispatch as it is) and ``packed-B@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -43,7 +44,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 
 from rvqstore import RVQKVCache  # noqa: E402
 from rvqstore.attention import dispatch  # noqa: E402
@@ -73,6 +73,20 @@ def _path(cache: RVQKVCache, q: mx.array, scale: float) -> str:
     return served[0] if served else "none"
 
 
+@contextlib.contextmanager
+def _limits_lifted():
+    """The codes arm: every call offered to the codes, whatever its size (dispatch's limits off, then back)."""
+    names = ("MAX_QUERIES_ON_CODES", "MAX_QUERY_BLOCKS_ON_CPU", "MIN_TOKENS_FOR_OPS_CUDA")
+    saved = [getattr(dispatch, n) for n in names]
+    for n, v in zip(names, (1 << 30, 1 << 30, 0)):
+        setattr(dispatch, n, v)
+    try:
+        yield
+    finally:
+        for n, v in zip(names, saved):
+            setattr(dispatch, n, v)
+
+
 def _sample(call, qs, k: int, r: int, layers: int) -> float:
     """ms per call: ``k`` calls built (layer after layer) and evaluated, host and device time together (the
     CPU's host formulation does its work while the call is built)."""
@@ -99,64 +113,51 @@ def measure(hq: int, hkv: int, d: int, bits: tuple, n: int, ls: list, layers: in
         caches.append(c)
         dense.append((kk, vv))
     rows = []
-    limits = (dispatch.MAX_QUERIES_ON_CODES, dispatch.MIN_TOKENS_FOR_OPS_CUDA)
+    for l in ls:
+        qs = [mx.random.normal((1, hq, l, d)).astype(dtype) for _ in range(4)]
+        mx.eval(qs)
 
-    def lifted(on: bool) -> None:  # the codes arm: every call offered to the codes, whatever its size
-        dispatch.MAX_QUERIES_ON_CODES, dispatch.MIN_TOKENS_FOR_OPS_CUDA = (1 << 30, 0) if on else limits
-
-    try:
-        for l in ls:
-            qs = [mx.random.normal((1, hq, l, d)).astype(dtype) for _ in range(4)]
-            mx.eval(qs)
-            def codes(q, i):
-                lifted(True)
-                try:
-                    out = caches[i].attend_on_codes(q, scale=scale, mask="causal")
-                finally:
-                    lifted(False)
-                if out is None:
-                    raise SystemExit(f"the cache declined a call of {l} queries")
-                return out
-
-            def chosen(q, i):  # what a model's call gets with dispatch's settings
+        def codes(q, i):
+            with _limits_lifted():
                 out = caches[i].attend_on_codes(q, scale=scale, mask="causal")
-                return decode(q, i) if out is None else out
+            if out is None:
+                raise SystemExit(f"the cache declined a call of {l} queries")
+            return out
 
-            def decode(q, i):
-                keys, values = caches[i].keys_and_values()
-                return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal")
+        def chosen(q, i):  # what a model's call gets with dispatch's settings
+            out = caches[i].attend_on_codes(q, scale=scale, mask="causal")
+            return decode(q, i) if out is None else out
 
-            def fp16(q, i):
-                keys, values = dense[i]
-                return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal")
+        def decode(q, i):
+            keys, values = caches[i].keys_and_values()
+            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal")
 
-            arms = {"codes": codes, "decode+sdpa": decode, "chosen": chosen, "fp16-sdpa": fp16}
-            # the two formulations agree on the same cache (a benchmark of a wrong answer measures nothing)
-            err = float(mx.max(mx.abs(codes(qs[0], 0).astype(mx.float32) - decode(qs[0], 0).astype(mx.float32))))
-            times = {name: [] for name in arms}
-            names = list(arms)
-            for r in range(rounds + 1):
-                order = names[r % len(names):] + names[:r % len(names)]
-                for name in order:
-                    t = _sample(arms[name], qs, k, r, layers)
-                    if r:
-                        times[name].append(t)
-            med = {name: statistics.median(v) for name, v in times.items()}
-            chosen_path = _path(caches[0], qs[0], scale)
-            lifted(True)
-            try:
-                path = _path(caches[0], qs[0], scale)
-            finally:
-                lifted(False)
-            row = {"context": n, "bits": f"{bits[0]}+{bits[1]}", "queries": l, "path": path,
-                   "chosen": "decode+sdpa" if chosen_path == "none" else chosen_path,
-                   "ms": {name: round(v, 4) for name, v in med.items()},
-                   "codes_over_decode": round(med["codes"] / med["decode+sdpa"], 3),
-                   "max_abs_diff": err}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    finally:
-        lifted(False)
+        def fp16(q, i):
+            keys, values = dense[i]
+            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal")
+
+        arms = {"codes": codes, "decode+sdpa": decode, "chosen": chosen, "fp16-sdpa": fp16}
+        # the two formulations agree on the same cache (a benchmark of a wrong answer measures nothing)
+        err = float(mx.max(mx.abs(codes(qs[0], 0).astype(mx.float32) - decode(qs[0], 0).astype(mx.float32))))
+        times = {name: [] for name in arms}
+        names = list(arms)
+        for r in range(rounds + 1):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                t = _sample(arms[name], qs, k, r, layers)
+                if r:
+                    times[name].append(t)
+        med = {name: statistics.median(v) for name, v in times.items()}
+        chosen_path = _path(caches[0], qs[0], scale)
+        with _limits_lifted():
+            path = _path(caches[0], qs[0], scale)
+        row = {"context": n, "bits": f"{bits[0]}+{bits[1]}", "queries": l, "path": path,
+               "chosen": "decode+sdpa" if chosen_path == "none" else chosen_path,
+               "ms": {name: round(v, 4) for name, v in med.items()},
+               "codes_over_decode": round(med["codes"] / med["decode+sdpa"], 3),
+               "max_abs_diff": err}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     return rows
 
 
