@@ -100,6 +100,23 @@ RVQ_FN void rvq_ld_bf16xn(const unsigned short* p, float (&f)[4]) {
     f[1] = __uint_as_float(v & 0xFFFF0000u);
   }
 }
+// N (2 or 4) consecutive bfloat16 (p aligned to 2 N bytes) as their raw words into w[0, N / 2), one load: the
+// conversion waits for the load, so a prefetch keeps the words and converts them when the tile is computed
+template <int N>
+RVQ_FN void rvq_ld_bf16w(const unsigned short* p, uint (&w)[2]) {
+  if (N == 4) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w[0] = v.x; w[1] = v.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint*>(p);
+  }
+}
+// the floats of N bfloat16 words loaded by rvq_ld_bf16w (element i in half i % 2 of word i / 2, low half first)
+template <int N>
+RVQ_FN void rvq_bf16w_floats(const uint (&w)[2], float (&f)[4]) {
+  RVQ_UNROLL
+  for (int i = 0; i < N; ++i) f[i] = __uint_as_float((i & 1) ? (w[i >> 1] & 0xFFFF0000u) : (w[i >> 1] << 16));
+}
 // 2+2 codes: the table indices of the 8 coordinate pairs of a stage-1 word w1 and its stage-2 word w2 (pair p:
 // nibble p of w1 above nibble p of w2), as bytes: pair 2k in byte k of lo, pair 2k + 1 in byte k of hi
 RVQ_FN void rvq_idx22(uint w1, uint w2, uint& lo, uint& hi) {

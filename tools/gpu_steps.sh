@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -38,6 +38,11 @@ for s in "$@"; do
     gen-128k-now) step gen-128k-now 240 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-4+2 --steps 6 --rounds 3 --contexts 131072 \
         --json "$OUT/gen-128k-now.json" --md "$OUT/gen-128k-now.md" ;;
+    attn-late) step attn-late 240 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
+        --rounds 7 --k 10 --variants earlynorms --json "$OUT/attention-late.json" ;;
+    pcsample) step pcsample 240 $py tools/pc_sample.py --lib $PWD/.gpu/e/libpcsampling.so \
+        --cupti $PWD/.gpu/e/libcupti.so.13 --contexts 1024,32768,131072 --bits 2+2,4+2 --calls 200 --period 8 \
+        --json "$OUT/pcsample.json" --raw "$tmp/pcraw" --cubins "$OUT/cubins.tar.gz" ;;
     prefill) step prefill 300 $py tools/bench_prefill.py --contexts 1024,8192,32768 --bits 2+2,4+2 \
         --queries 1,2,4,8,16,32,64,256 --rounds 5 --k 8 --layers 4 --json "$OUT/prefill.json" ;;
     attn-pair) step attn-pair 200 $py tools/bench_attention.py --contexts 1024,8192,32768 --bits 2+2 --rounds 3 \

@@ -121,6 +121,10 @@ SWAPPED = os.environ.get("RVQSTORE_MMA_SWAP", "1").strip() != "0"
 #: ``slowsplit``): the first versions (a loop turn per load, a barrier per butterfly stride, a barrier per warp),
 #: kept for same-run comparisons
 QUICK_SPLIT = True
+#: the next tile's norms stay the loaded words until that tile is computed (``T_LATEN``): converted right after their
+#: loads (off, variant ``earlynorms``: the first version) the warp waited for the whole prefetch at once, the largest
+#: stall at 128k in CUPTI's PC sampling (``tools/pc_sample.py``, tools/results/pcsample-h200.json). The same bits
+LATE_NORMS = True
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
 #: threadgroups per launch the split plan aims at: BLOCKS_PER_SM per SM of an H200 (132 SMs), one wave
@@ -150,7 +154,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     if per is None:
         per = _launches[kc] = {}
     key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS, STRIDED, SWAPPED,
-           BLOCKS_PER_SM, QUICK_SPLIT)
+           BLOCKS_PER_SM, QUICK_SPLIT, LATE_NORMS)
     p = per.get(key)
     if p is not None:
         return p
@@ -162,7 +166,8 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     p.qf = mx.array([scale * _LOG2E / math.sqrt(d)], dtype=mx.float32)
     p.lut, p.two = _table_array(kc), kc.bits2 > 0
     p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_D", d), ("T_R", rows), ("T_STRIDE", int(STRIDED)),
-                  ("T_SWAP", int(SWAPPED)), ("T_QUICK", int(QUICK_SPLIT)), ("T_PROBE", PROBE)]
+                  ("T_SWAP", int(SWAPPED)), ("T_QUICK", int(QUICK_SPLIT)),
+                  ("T_LATEN", int(LATE_NORMS)), ("T_PROBE", PROBE)]
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
     p.run = None  # the prepared launch, made at the first call (when the inputs' dtypes are known)
