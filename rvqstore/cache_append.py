@@ -33,7 +33,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from . import first_use, fused, kernel_cache
+from . import device_args, first_use, fused, kernel_cache
 from .attention.launch_args import shared_count
 from .codec import EncodedVectors
 from .device_memory import copy_bits
@@ -106,8 +106,10 @@ class _Setup:
         dplan = make_plan(codec, DECODE)
         if isinstance(dplan, str):
             raise ValueError(dplan)
-        self.dtab = dplan.tab
-        self.signs = mx.array(np.asarray(codec.signs, np.float32))
+        # the launch's tables and constants in device memory on CUDA (rvqstore.device_args)
+        self.tab = device_args.moved(plan.tab)
+        self.dtab = device_args.moved(dplan.tab)
+        self.signs = device_args.moved(mx.array(np.asarray(codec.signs, np.float32)))
         self.limits: dict = {}  # dtype -> [max_scale] float32
         self.params: dict = {}  # rows -> [rows] uint32
         self.template = [("T_D", codec.dim), ("T_B1", plan.bits1), ("T_B2", plan.bits2), ("T_MODE", plan.mode),
@@ -139,7 +141,7 @@ class _Setup:
                 shapes, dtypes = shapes + [tuple(shape)] * 2, dtypes + [dtype, dtype]
             if len(self.calls) > 64:
                 self.calls.clear()
-            consts = [self.signs, self.plan.tab, self.dtab, self.limit(codec, dtype), self.rows(rows)]
+            consts = [self.signs, self.tab, self.dtab, self.limit(codec, dtype), self.rows(rows)]
             c = self.calls[key] = _Call(_kernel(resident), self.template + [("InT", dtype)], [dtype, values.dtype],
                                         consts, shapes, dtypes, (2 * rows * d, 1, 1), (d, 1, 1))
         return c
@@ -156,7 +158,7 @@ class _Setup:
             w1, w2 = codec.words1, codec.words2
             if len(self.copies) > 64:
                 self.copies.clear()
-            consts = [self.signs, self.plan.tab, self.dtab, self.limit(codec, keys.dtype),
+            consts = [self.signs, self.tab, self.dtab, self.limit(codec, keys.dtype),
                       self.copy_params(b * h * t, t, cap_old, cap)]
             c = self.copies[key] = _Call(
                 _kernel(False, True), self.template + [("InT", keys.dtype)], [keys.dtype, values.dtype], consts,
@@ -173,9 +175,9 @@ class _Setup:
             b, h, t, d = shape
             if len(self.copies) > 64:
                 self.copies.clear()
-            consts = [self.signs, self.plan.tab, self.dtab, self.limit(codec, keys.dtype),
+            consts = [self.signs, self.tab, self.dtab, self.limit(codec, keys.dtype),
                       self.copy_params(b * h * t, t, cap, cap)]
-            shapes, dtypes = [(1,)], [mx.uint32]
+            shapes, dtypes = [device_args.count_shape()], [mx.uint32]  # the count: readers take its [0]
             if resident:
                 shapes, dtypes = shapes + [tuple(shape)] * 2, dtypes + [keys.dtype] * 2
             c = self.copies[key] = _Call(_kernel(resident, False, True), self.template + [("InT", keys.dtype)],
@@ -186,7 +188,7 @@ class _Setup:
     def limit(self, codec, dtype) -> mx.array:
         a = self.limits.get(dtype)
         if a is None:
-            a = self.limits[dtype] = mx.array([codec.max_scale(dtype)], dtype=mx.float32)
+            a = self.limits[dtype] = device_args.constant([codec.max_scale(dtype)], mx.float32)
         return a
 
     def copy_params(self, *values: int) -> mx.array:
@@ -194,7 +196,7 @@ class _Setup:
         if a is None:  # changes only when the buffers grow
             if len(self.params) > 64:
                 self.params.clear()
-            a = self.params[values] = mx.array(list(values), dtype=mx.uint32)
+            a = self.params[values] = device_args.constant(values, mx.uint32)
         return a
 
     def rows(self, n: int) -> mx.array:
@@ -202,7 +204,7 @@ class _Setup:
         if a is None:
             if len(self.params) > 64:
                 self.params.clear()
-            a = self.params[n] = mx.array([n], dtype=mx.uint32)
+            a = self.params[n] = device_args.constant([n], mx.uint32)
         return a
 
 
@@ -239,13 +241,14 @@ _SETUP = "cache_append"  # this module's entry in codec.launch_setups
 
 def _setup(codec) -> _Setup | None:
     """The codec's launch setup, or None where the kernel does not take the codec (decided once)."""
-    s = codec.launch_setups.get(_SETUP, _MISSING)
+    key = (_SETUP, device_args.DEVICE_ARGS)  # its constants live where device_args put them
+    s = codec.launch_setups.get(key, _MISSING)
     if s is _MISSING:
         try:
             s = _Setup(codec) if supported(codec) is None else None
         except ValueError:  # malformed tables: make_plan refused them
             s = None
-        codec.launch_setups[_SETUP] = s
+        codec.launch_setups[key] = s
     return s
 
 

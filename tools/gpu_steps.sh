@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -38,6 +38,21 @@ for s in "$@"; do
     gen-128k-now) step gen-128k-now 240 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-4+2 --steps 6 --rounds 3 --contexts 131072 \
         --json "$OUT/gen-128k-now.json" --md "$OUT/gen-128k-now.md" ;;
+    args-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-device-args.txt step args-tests 300 \
+        $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py tests/test_attention_gpu.py \
+        tests/test_cache_append_gpu.py tests/test_cache_inplace_gpu.py tests/test_decode_step_gpu.py \
+        tests/test_kernel_cache_gpu.py tests/test_decode_step.py tests/test_device_args.py ;;
+    attn-args) step attn-args 200 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
+        --rounds 7 --k 10 --variants hostargs --json "$OUT/attention-args.json" ;;
+    gen-args) step gen-args 300 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@hostargs,packed-4+2,packed-4+2@hostargs,resident-2+2,resident-2+2@hostargs \
+        --steps 8 --rounds 5 --contexts 1024,8192,32768 --json "$OUT/gen-args.json" --md "$OUT/gen-args.md" ;;
+    gen-128k-args) step gen-128k-args 240 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@hostargs,packed-4+2,packed-4+2@hostargs --steps 6 --rounds 3 \
+        --contexts 131072 --json "$OUT/gen-128k-args.json" --md "$OUT/gen-128k-args.md" ;;
+    pcsample-args) step pcsample-args 200 $py tools/pc_sample.py --lib $PWD/.gpu/e/libpcsampling.so \
+        --cupti $PWD/.gpu/e/libcupti.so.13 --contexts 1024,32768 --bits 2+2,4+2 --calls 200 --period 8 \
+        --json "$OUT/pcsample-args.json" --raw "$tmp/pcraw" ;;
     attn-late) step attn-late 240 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
         --rounds 7 --k 10 --variants earlynorms --json "$OUT/attention-late.json" ;;
     pcsample) step pcsample 240 $py tools/pc_sample.py --lib $PWD/.gpu/e/libpcsampling.so \

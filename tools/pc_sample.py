@@ -7,6 +7,9 @@ samples ``--calls`` attention calls on the codes and writes, per kernel, the sam
 the PCs that hold most of them; ``--cubins DIR`` also saves the kernel cache's binaries (disassemble them with
 ``nvdisasm`` to read the PCs).
 
+Each case runs in a process of its own: CUPTI did not sample kernels whose modules were loaded after an earlier
+case's sampling had stopped (the 4+2 kernels were missing from a run of 2+2 then 4+2 in one process).
+
     python tools/pc_sample.py --lib libpcsampling.so --cupti libcupti.so.13 --contexts 32768,131072 \
         --bits 2+2 --json out.json [--raw DIR] [--cubins DIR]
 """
@@ -19,6 +22,7 @@ import ctypes
 import io
 import json
 import os
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -52,11 +56,13 @@ def summarize(raw: dict, top: int = 40) -> dict:
     for fn, off, counts in raw["pcs"]:
         for r, n in counts.items():
             if n:
-                per[fn][names.get(r, str(r))] += n
-                by_pc[fn][off] += n
+                name = names.get(r, str(r))
+                per[fn][name] += n
+                if not name.endswith("_not_issued"):  # a subset of its reason's samples: counted once
+                    by_pc[fn][off] += n
     out = {}
     for fn, c in per.items():
-        total = sum(c.values())
+        total = sum(n for r, n in c.items() if not r.endswith("_not_issued"))
         pcs = []
         for off, n in by_pc[fn].most_common(top):
             reasons = collections.Counter()
@@ -87,6 +93,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cubins", help="tar file for the kernel cache's binaries")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
+    cases = [(int(n), bits) for n in a.contexts.split(",") for bits in a.bits.split(",")]
+    if len(cases) > 1:
+        return run_each_case(a, cases, argv if argv is not None else sys.argv[1:])
     lib = ctypes.CDLL(a.lib)
     lib.pcs_start.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
     lib.pcs_stop.argtypes = [ctypes.c_char_p]
@@ -136,6 +145,31 @@ def main(argv=None) -> int:
                     info = tarfile.TarInfo(f"{name}-{p.stem[:12]}.cubin")
                     info.size = len(binary)
                     t.addfile(info, io.BytesIO(binary))
+    return 0
+
+
+def run_each_case(a, cases, argv) -> int:
+    """Samples every case in a fresh process and joins their JSON into ``a.json``."""
+    keep, skip = [], {"--contexts", "--bits", "--json", "--cubins"}
+    it = iter(argv)
+    for x in it:
+        if x.split("=")[0] in skip:
+            if "=" not in x:
+                next(it, None)
+        else:
+            keep.append(x)
+    out = {"geometry": [a.heads, a.kv_heads, a.head_dim], "period": a.period, "calls": a.calls, "cases": []}
+    for i, (n, bits) in enumerate(cases):
+        part = Path(a.json).with_suffix(f".case{i}.json")
+        cmd = [sys.executable, __file__, *keep, "--contexts", str(n), "--bits", bits, "--json", str(part)]
+        if a.cubins and i == len(cases) - 1:  # the kernel cache on disk then holds every case's binaries
+            cmd += ["--cubins", a.cubins]
+        rc = subprocess.call(cmd)
+        if rc:
+            return rc
+        out["cases"] += json.loads(part.read_text())["cases"]
+        part.unlink()
+    Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
 
 

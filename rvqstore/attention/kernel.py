@@ -31,7 +31,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from .. import fused, kernel_cache
+from .. import device_args, fused, kernel_cache
 from . import kernel_mma, masks, ops
 from .launch_args import THREADS, decode_table, prepared, split_plan
 from .launch_args import static_params as _static
@@ -212,7 +212,7 @@ def _launch_plan(view: CodesView, cap: int, bh: int, rows: int, dk: int, n_queri
     if per is None:
         per = _launches[kc] = {}
     key = (id(vc), cap, bh, rows, dk, n_queries, view.n_dense, causal, scale, dtype, KEY_LANES, PAIR_TABLES,
-           STAGE_CODES, VALUE_COORDS)
+           STAGE_CODES, VALUE_COORDS, device_args.DEVICE_ARGS)
     p = per.get(key)
     if p is not None:
         return p
@@ -224,7 +224,8 @@ def _launch_plan(view: CodesView, cap: int, bh: int, rows: int, dk: int, n_queri
                                               else fused.MODE_SHARED)
     p = _Launch()
     p.params = _static((cap, chunk, splits, n_queries, view.n_dense, int(causal)))
-    p.qsg = _folded_signs(kc, scale / dk) if rot else tab
+    tab = device_args.moved(tab)
+    p.qsg = device_args.moved(_folded_signs(kc, scale / dk)) if rot else tab
     p.tab, p.two = tab, two
     kl, kch = key_lanes(dk, rows, kc.bits1, kc.bits2, KEY_LANES)
     p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_MODE", mode), ("T_DK", dk), ("T_DV", vc.dim),

@@ -24,7 +24,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from .. import fused, kernel_cache
+from .. import device_args, fused, kernel_cache
 from .launch_args import THREADS, decode_table, prepared, split_plan, static_params
 from .view import CodesView
 
@@ -154,7 +154,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     if per is None:
         per = _launches[kc] = {}
     key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS, STRIDED, SWAPPED,
-           BLOCKS_PER_SM, QUICK_SPLIT, LATE_NORMS)
+           BLOCKS_PER_SM, QUICK_SPLIT, LATE_NORMS, device_args.DEVICE_ARGS)
     p = per.get(key)
     if p is not None:
         return p
@@ -162,9 +162,9 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     chunk, splits = split_plan(cap, bh, TARGET_GROUPS)
     p = _Launch()
     p.params = static_params((cap, chunk, splits, n_queries, view.n_dense, int(causal)))
-    p.sg = mx.array((kc.signs.astype(np.float64) / math.sqrt(d)).astype(np.float32))
-    p.qf = mx.array([scale * _LOG2E / math.sqrt(d)], dtype=mx.float32)
-    p.lut, p.two = _table_array(kc), kc.bits2 > 0
+    p.sg = device_args.moved(mx.array((kc.signs.astype(np.float64) / math.sqrt(d)).astype(np.float32)))
+    p.qf = device_args.constant([scale * _LOG2E / math.sqrt(d)], mx.float32)
+    p.lut, p.two = device_args.moved(_table_array(kc)), kc.bits2 > 0
     p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_D", d), ("T_R", rows), ("T_STRIDE", int(STRIDED)),
                   ("T_SWAP", int(SWAPPED)), ("T_QUICK", int(QUICK_SPLIT)),
                   ("T_LATEN", int(LATE_NORMS)), ("T_PROBE", PROBE)]

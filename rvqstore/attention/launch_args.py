@@ -7,7 +7,7 @@ import weakref
 
 import mlx.core as mx
 
-from .. import fused
+from .. import device_args, fused
 
 THREADS = 128
 #: aim for this many threadgroups per launch (the H200 has 132 SMs)
@@ -31,7 +31,8 @@ def count_array(n: int) -> mx.array:
     """``[n]`` as a uint32 array: a slice of one arange made once (no new host array per step)."""
     if not _counts:
         _counts.append(mx.arange(0, 1 << 21, dtype=mx.uint32))
-    return _counts[0][n:n + 1] if n < (1 << 21) else mx.array([n], dtype=mx.uint32)
+    # an arange is a GPU op's output: device memory on CUDA, where a host-made [n] would not be
+    return _counts[0][n:n + 1] if n < (1 << 21) else device_args.constant([n], mx.uint32)
 
 
 _shared: dict = {}  # n -> [n]
@@ -52,12 +53,14 @@ _params: dict = {}
 
 
 def static_params(values: tuple) -> mx.array:
-    """A small uint32 array of values that repeat from step to step (kept, not rebuilt per call)."""
-    p = _params.get(values)
+    """A small uint32 array of values that repeat from step to step (kept, not rebuilt per call; in device
+    memory on CUDA: :mod:`rvqstore.device_args`)."""
+    key = (values, device_args.DEVICE_ARGS)
+    p = _params.get(key)
     if p is None:
         if len(_params) > 512:
             _params.clear()
-        p = _params[values] = mx.array(list(values), dtype=mx.uint32)
+        p = _params[key] = device_args.constant(values, mx.uint32)
     return p
 
 
