@@ -191,6 +191,20 @@ def test_the_quick_kernels_are_chosen_by_setting_and_dialect(monkeypatch):
             assert t["T_QUICK"] == int(quick and dialect == "cuda")
 
 
+def test_the_maxima_and_norms_orders_are_chosen_by_setting(monkeypatch):
+    """kernel_mma.QUICK_MAX and LATE_NORMS become the templates' T_QMAX and T_LATEN and are part of the plan's
+    key (switching one makes a new launch, the variants' same-run arms)."""
+    c, _, _ = _cache((2, 2), 2, 40, 128)
+    view = c.codes_view()
+    for name, param in (("QUICK_MAX", "T_QMAX"), ("LATE_NORMS", "T_LATEN")):
+        plans = {}
+        for on in (True, False):
+            monkeypatch.setattr(kernel_mma, name, on)
+            plans[on] = kernel_mma._plan(view, 256, 2, 4, 1, False, 0.1)
+            assert dict(plans[on].template)[param] == int(on)
+        assert plans[True] is not plans[False]
+
+
 # ---- on the GPU ------------------------------------------------------------------------------------------
 MMA_CASES = [
     # (bits, residual, d, hkv, group, L, n, b, window)
@@ -308,6 +322,36 @@ def test_gpu_fused_merge_many_calls_at_once():
     bad = sum(not bool(mx.array_equal(o, alone[i % 6])) for i, o in enumerate(outs))
     _record("mma-fused-merge-concurrent", bad == 0, f"300 calls at once, {bad} differ from the call alone")
     assert bad == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{c[0][0]}+{c[0][1]}-{c[1][:4]}-d{c[2]}-h{c[3]}g{c[4]}"
+                         f"-L{c[5]}-n{c[6]}-b{c[7]}-w{c[8]}")
+@pytest.mark.parametrize("swapped", [True, False], ids=["swap", "rows"])
+def test_gpu_quick_maxima_and_late_norms_keep_every_bit(case, swapped, monkeypatch):
+    """The split kernel skipping the maxima's shuffles where no score passes its row's running maximum
+    (kernel_mma.QUICK_MAX) and converting the norms late (LATE_NORMS) computes what the first order did: the
+    partials o, m and l bit for bit, each switch against its off arm."""
+    bits, residual, d, hkv, g, L, n, b, window = case
+    monkeypatch.setattr(kernel_mma, "SWAPPED", swapped)
+    c, _, _ = _cache(bits, hkv, n, d, b=b, window=window, residual=residual, seed=n + 5)
+    view = c.codes_view()
+    q = mx.array(np.random.default_rng(n + 6).standard_normal((b, hkv * g, L, d)).astype(np.float32)).astype(mx.float16)
+    scale, causal = d ** -0.5, L > 1
+    results = []
+    for name in ("QUICK_MAX", "LATE_NORMS"):
+        parts = {}
+        for on in (True, False):
+            monkeypatch.setattr(kernel_mma, name, on)
+            parts[on] = kernel_mma.launch(view, q, L, causal, scale)
+            mx.eval(parts[on])
+        monkeypatch.setattr(kernel_mma, name, True)
+        same = all(bool(mx.array_equal(x, y, equal_nan=True)) for x, y in zip(parts[True], parts[False]))
+        results.append((name, same))
+    layout = "swap" if swapped and g * L <= 8 else "rows"
+    ok = all(same for _, same in results)
+    _record("mma-quick-max-late-norms", ok, f"{case} {layout} " + " ".join(f"{n} identical={s}" for n, s in results))
+    assert ok, results
 
 
 @pytest.mark.gpu

@@ -125,6 +125,10 @@ QUICK_SPLIT = True
 #: loads (off, variant ``earlynorms``: the first version) the warp waited for the whole prefetch at once, the largest
 #: stall at 128k in CUPTI's PC sampling (``tools/pc_sample.py``, tools/results/pcsample-h200.json). The same bits
 LATE_NORMS = True
+#: a tile whose scores all stay at or below their rows' running maxima skips the maxima's shuffles (``T_QMAX``: one
+#: warp vote instead; the same bits, since the new maximum is then the old one). The row maximum's chain was the
+#: largest wait at 128k 2+2 after the setup's (tools/results/pcsample-h200-late.json). Off: variant ``fullmax``
+QUICK_MAX = True
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
 #: threadgroups per launch the split plan aims at: BLOCKS_PER_SM per SM of an H200 (132 SMs), one wave
@@ -154,7 +158,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     if per is None:
         per = _launches[kc] = {}
     key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS, STRIDED, SWAPPED,
-           BLOCKS_PER_SM, QUICK_SPLIT, LATE_NORMS, device_args.DEVICE_ARGS)
+           BLOCKS_PER_SM, QUICK_SPLIT, LATE_NORMS, QUICK_MAX, device_args.DEVICE_ARGS)
     p = per.get(key)
     if p is not None:
         return p
@@ -167,7 +171,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     p.lut, p.two = device_args.moved(_table_array(kc)), kc.bits2 > 0
     p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_D", d), ("T_R", rows), ("T_STRIDE", int(STRIDED)),
                   ("T_SWAP", int(SWAPPED)), ("T_QUICK", int(QUICK_SPLIT)),
-                  ("T_LATEN", int(LATE_NORMS)), ("T_PROBE", PROBE)]
+                  ("T_LATEN", int(LATE_NORMS)), ("T_QMAX", int(QUICK_MAX)), ("T_PROBE", PROBE)]
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
     p.run = None  # the prepared launch, made at the first call (when the inputs' dtypes are known)
