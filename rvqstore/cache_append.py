@@ -177,10 +177,12 @@ class _Setup:
                 self.copies.clear()
             consts = [self.signs, self.tab, self.dtab, self.limit(codec, keys.dtype),
                       self.copy_params(b * h * t, t, cap, cap)]
-            shapes, dtypes = [device_args.count_shape()], [mx.uint32]  # the count: readers take its [0]
+            done = device_args.count_shape()  # the count: readers take its [0], the kernel zeroes the rest
+            shapes, dtypes = [done], [mx.uint32]
             if resident:
                 shapes, dtypes = shapes + [tuple(shape)] * 2, dtypes + [keys.dtype] * 2
-            c = self.copies[key] = _Call(_kernel(resident, False, True), self.template + [("InT", keys.dtype)],
+            c = self.copies[key] = _Call(_kernel(resident, False, True),
+                                         self.template + [("InT", keys.dtype), ("T_DONE", done[0])],
                                          [keys.dtype, values.dtype], consts, shapes, dtypes,
                                          (2 * b * h * t * d, 1, 1), (d, 1, 1))
         return c

@@ -43,12 +43,12 @@ for s in "$@"; do
         tests/test_cache_append_gpu.py tests/test_cache_inplace_gpu.py tests/test_decode_step_gpu.py \
         tests/test_kernel_cache_gpu.py tests/test_decode_step.py tests/test_device_args.py ;;
     attn-args) step attn-args 200 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
-        --rounds 7 --k 10 --variants hostargs,fullmax --json "$OUT/attention-args.json" ;;
+        --rounds 7 --k 10 --variants hostargs,quickmax --json "$OUT/attention-args.json" ;;
     gen-args) step gen-args 300 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@hostargs,packed-4+2,packed-4+2@hostargs,resident-2+2,resident-2+2@hostargs \
         --steps 8 --rounds 5 --contexts 1024,8192,32768 --json "$OUT/gen-args.json" --md "$OUT/gen-args.md" ;;
     gen-128k-args) step gen-128k-args 240 $py tools/bench_generation.py --model random \
-        --arms kv,packed-2+2,packed-2+2@hostargs,packed-2+2@fullmax,packed-4+2,packed-4+2@hostargs --steps 6 --rounds 3 \
+        --arms kv,packed-2+2,packed-2+2@hostargs,packed-2+2@quickmax,packed-4+2,packed-4+2@hostargs --steps 6 --rounds 3 \
         --contexts 131072 --json "$OUT/gen-128k-args.json" --md "$OUT/gen-128k-args.md" ;;
     pcsample-args) step pcsample-args 200 $py tools/pc_sample.py --lib $PWD/.gpu/e/libpcsampling.so \
         --cupti $PWD/.gpu/e/libcupti.so.13 --contexts 1024,32768 --bits 2+2,4+2 --calls 200 --period 8 \

@@ -127,8 +127,10 @@ QUICK_SPLIT = True
 LATE_NORMS = True
 #: a tile whose scores all stay at or below their rows' running maxima skips the maxima's shuffles (``T_QMAX``: one
 #: warp vote instead; the same bits, since the new maximum is then the old one). The row maximum's chain was the
-#: largest wait at 128k 2+2 after the setup's (tools/results/pcsample-h200-late.json). Off: variant ``fullmax``
-QUICK_MAX = True
+#: largest wait at 128k 2+2 after the setup's (tools/results/pcsample-h200-late.json). Measured and left off: the
+#: same run's attention alone moved by -3 to +7 % at 1k-128k (tools/results/attention-h200-args.json, variant
+#: ``fullmax`` = off); variant ``quickmax`` turns it on
+QUICK_MAX = False
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
 #: threadgroups per launch the split plan aims at: BLOCKS_PER_SM per SM of an H200 (132 SMs), one wave
