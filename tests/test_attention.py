@@ -194,33 +194,45 @@ def test_hook_install_is_idempotent_and_uninstall_restores():
 
 def test_greedy_smollm2_matches_decode_then_sdpa(smollm2, sample_tokens):
     """64 greedy tokens on the bundled model: at every step, attention on codes and decode-then-SDPA over the
-    same cache give the same token, and logits within 1e-4 (a step's own token may code differently in the
-    later layers, from the earlier layers' last-bit differences: then within 0.05; seen 2 steps in 64, 0.01).
+    same cache give the same token, and logits within 1e-4 wherever both steps stored the same keys and values
+    for the step's own token.
 
     In lockstep (each step taken with decode-then-SDPA, trimmed back, then taken on the codes, which the
     generation continues from), not as two free runs: in two runs the last-bit differences of the two
     formulations change the next layers' keys by ~1e-6, which now and then moves one across a quantization
     boundary; from that token on the runs hold different codes (measured on this prompt: every logit within
-    3e-5 for 21 steps, then a value code of layer 5 differs and the logits by 0.06-0.5), and whether a token
-    then differs depends on the machine's BLAS. Here both formulations always read the same codes."""
+    3e-5 for 21 steps, then a value code of layer 5 differs and the logits by 0.06-0.5). In lockstep the earlier
+    tokens' codes are shared, but the step's own token is coded by each path from its own activations, so the
+    same boundary crossing can give it a different code in a later layer: seen in 2 to 7 steps of 64, logits
+    within 0.06, and how often depends on the machine's BLAS. Such a step is recognised by its own token's
+    decoded keys or values differing by more than rounding (a code flip moves a decoded value by a codebook
+    step, ~1e-2, against ~1e-6 of rounding); it is held to the looser bound only."""
     from rvqstore import make_prompt_cache
     from rvqstore.generation import prefill
 
     model, _ = smollm2
     cache = make_prompt_cache(model)
     logits = prefill(model, sample_tokens[:96], cache)
-    diffs = []
+
+    def own_token_kv():
+        return [tuple(x[:, :, -1:, :] for x in c.keys_and_values()) for c in cache]
+
+    exact, flipped = [], []
     for _ in range(64):
         y = mx.argmax(logits, axis=-1)
         with hook.bypass():
             reference = model(y[:, None], cache=cache)[:, -1, :]
-            mx.eval(reference)
+            reference_kv = own_token_kv()
+            mx.eval(reference, reference_kv)
         for c in cache:
             c.trim(1)
         logits = model(y[:, None], cache=cache)[:, -1, :]
         assert int(mx.argmax(logits, axis=-1).item()) == int(mx.argmax(reference, axis=-1).item())
-        diffs.append(float(mx.abs(logits - reference).max().item()))
-    assert sum(d < 1e-4 for d in diffs) >= 0.9 * len(diffs) and max(diffs) < 0.05, diffs
+        kv_gap = max(float(mx.abs(a - b).max().item())
+                     for pair, ref in zip(own_token_kv(), reference_kv) for a, b in zip(pair, ref))
+        (flipped if kv_gap > 1e-3 else exact).append(float(mx.abs(logits - reference).max().item()))
+    assert len(exact) >= 48 and max(exact) < 1e-4, (exact, flipped)
+    assert not flipped or max(flipped) < 0.1, flipped
     assert cache[0].offset == 96 + 64 and cache[0].mode == "packed"
 
 
