@@ -43,6 +43,14 @@ def _values(a) -> list:
     return np.array(a).tolist()
 
 
+def _padded(values: list) -> list:
+    """``values`` as a launch's small constant holds them: zero-padded to 16 bytes where the constants live in
+    device memory (CUDA: rvqstore.device_args), as they are elsewhere."""
+    from rvqstore import device_args
+
+    return _values(device_args.constant(values, mx.uint32))
+
+
 def test_append_launches_follow_shape_and_dtype(launches):
     codec = RVQCodec(64, (2, 2))
     w1, w2 = codec.words1, codec.words2
@@ -54,7 +62,7 @@ def test_append_launches_follow_shape_and_dtype(launches):
         shapes = [lead, lead + (w1,), lead + (w2,)] * 2 + ([(1, 2, t, 64)] * 2 if t == 3 else [])
         assert kw["output_shapes"] == shapes and [a.shape for a in out] == shapes
         assert kw["grid"] == (2 * 2 * t * 64, 1, 1) and kw["threadgroup"] == (64, 1, 1)
-        assert kw["inputs"][0] is k and kw["inputs"][1] is v and _values(kw["inputs"][6]) == [2 * t]
+        assert kw["inputs"][0] is k and kw["inputs"][1] is v and _values(kw["inputs"][6]) == _padded([2 * t])
     names = [kw["name"] for kw in launches]
     assert names[0] == names[1] and len(set(names)) == 3  # one binary per template and dtype
     assert "using InT = __half;" in launches[0]["compiled_source"]
