@@ -123,6 +123,18 @@ RVQ_FN void rvq_idx22(uint w1, uint w2, uint& lo, uint& hi) {
   lo = (w2 & 0x0F0F0F0Fu) | ((w1 << 4) & 0xF0F0F0F0u);
   hi = ((w2 >> 4) & 0x0F0F0F0Fu) | (w1 & 0xF0F0F0F0u);
 }
+// 4+2 codes: the table indices (stage-1 code above its stage-2 code, as rvq_dec4's) of the 16 coordinates of two
+// stage-1 words a, b (coordinates 0-7, 8-15) and their stage-2 word c, as bytes: coordinate 4k + e in byte k of
+// gi[e]. Two byte permutes gather the nibbles of coordinates (0,1), (4,5), (8,9), (12,13) and of (2,3), (6,7), ..;
+// the crumbs of coordinates 4k + e sit at bits 8k + 2e of c
+RVQ_FN void rvq_idx42(uint a, uint b, uint c, uint (&gi)[4]) {
+  const uint lo = __byte_perm(a, b, 0x6420u);
+  const uint hi = __byte_perm(a, b, 0x7531u);
+  gi[0] = ((lo << 2) & 0x3C3C3C3Cu) | (c & 0x03030303u);
+  gi[1] = ((lo >> 2) & 0x3C3C3C3Cu) | ((c >> 2) & 0x03030303u);
+  gi[2] = ((hi << 2) & 0x3C3C3C3Cu) | ((c >> 4) & 0x03030303u);
+  gi[3] = ((hi >> 2) & 0x3C3C3C3Cu) | ((c >> 6) & 0x03030303u);
+}
 // the GPU's global nanosecond timer (timing probes)
 RVQ_FN unsigned long long rvq_clock() {
   unsigned long long t;

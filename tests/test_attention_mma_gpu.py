@@ -196,7 +196,7 @@ def test_the_maxima_and_norms_orders_are_chosen_by_setting(monkeypatch):
     key (switching one makes a new launch, the variants' same-run arms)."""
     c, _, _ = _cache((2, 2), 2, 40, 128)
     view = c.codes_view()
-    for name, param in (("QUICK_MAX", "T_QMAX"), ("LATE_NORMS", "T_LATEN")):
+    for name, param in (("QUICK_MAX", "T_QMAX"), ("LATE_NORMS", "T_LATEN"), ("BYTE_INDEX_42", "T_I42")):
         plans = {}
         for on in (True, False):
             monkeypatch.setattr(kernel_mma, name, on)
@@ -339,7 +339,7 @@ def test_gpu_quick_maxima_and_late_norms_keep_every_bit(case, swapped, monkeypat
     q = mx.array(np.random.default_rng(n + 6).standard_normal((b, hkv * g, L, d)).astype(np.float32)).astype(mx.float16)
     scale, causal = d ** -0.5, L > 1
     results = []
-    for name in ("QUICK_MAX", "LATE_NORMS"):
+    for name in ("QUICK_MAX", "LATE_NORMS", "BYTE_INDEX_42"):
         parts = {}
         for on in (True, False):
             monkeypatch.setattr(kernel_mma, name, on)

@@ -36,7 +36,7 @@ _INPUTS = (mx.float16, mx.float32, mx.float32, mx.bfloat16, mx.uint32, mx.uint32
 _CALLS = {"swap": "      compute_swap(tile, kwa, vwa, ka, va);", "rows": "      compute(tile, kwa, vwa, ka, va);"}
 
 
-def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, setup: int = 1) -> str:
+def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, setup: int = 1, i42: int = 0) -> str:
     """The translation unit of one configuration, as a host nvcc takes it."""
     old = kernel_mma.BLOCKS_PER_SM
     kernel_mma.BLOCKS_PER_SM = blocks
@@ -45,7 +45,7 @@ def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, se
     finally:
         kernel_mma.BLOCKS_PER_SM = old
     template = [("T_B1", bits[0]), ("T_B2", bits[1]), ("T_D", d), ("T_R", rows), ("T_STRIDE", 1),
-                ("T_SWAP", int(swap)), ("T_QUICK", setup), ("T_LATEN", 1), ("T_QMAX", 0), ("T_PROBE", 0)]
+                ("T_SWAP", int(swap)), ("T_QUICK", setup), ("T_LATEN", 1), ("T_QMAX", 0), ("T_I42", i42), ("T_PROBE", 0)]
     _, tu = k.source_for(template, _INPUTS, (mx.float32, mx.float32))
     # NVRTC has no <stdint.h>; the host compiler does, and refuses these two typedefs again
     return tu.replace("typedef long long int64_t;", "").replace("typedef unsigned long long uint64_t;", "")
@@ -70,18 +70,18 @@ def compile_stats(tu: str, work: Path, name: str) -> dict:
             "spill_load_bytes": int(spill.group(2)) if spill else None, "instructions": size // 16}
 
 
-def measure(bits, d, rows, layout, blocks, work: Path, quick: int = 1) -> dict:
-    tu = source(bits, d, rows, layout == "swap", blocks, quick)
+def measure(bits, d, rows, layout, blocks, work: Path, quick: int = 1, i42: int = 0) -> dict:
+    tu = source(bits, d, rows, layout == "swap", blocks, quick, i42)
     call = _CALLS[layout]
     if tu.count(call) != 1:
         raise SystemExit(f"the tile loop's call {call.strip()!r} is not in the kernel once: update this tool")
     again = call.strip().replace("(tile, kwa, vwa, ka, va)", "(tile + 3u, kwa, vwa, kb, vb)")
     twice = tu.replace(call, "      { " + call.strip() + " " + again + " }")  # one statement (an if/else branch)
-    name = f"b{bits[0]}{bits[1]}_d{d}_r{rows}_{layout}_tg{blocks}_q{quick}"
+    name = f"b{bits[0]}{bits[1]}_d{d}_r{rows}_{layout}_tg{blocks}_q{quick}_i{i42}"
     one = compile_stats(tu, work, name)
     two = compile_stats(twice, work, name + "_twice")
     return {"bits": f"{bits[0]}+{bits[1]}", "d": d, "rows": rows, "layout": layout, "blocks_per_sm": blocks,
-            "quick": quick, **one,
+            "quick": quick, "i42": i42, **one,
             "tile_compute_instructions": two["instructions"] - one["instructions"]}
 
 
@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--blocks", default="3", help="comma list of threadgroups per SM in the launch bounds")
     ap.add_argument("--quick", default="1", help="comma list of T_QUICK values (1: the quick setup and warp merge, "
                     "kernel_mma.QUICK_SPLIT; 0: the first versions)")
+    ap.add_argument("--i42", default="0", help="comma list of T_I42 values (1: 4+2 d128 table indices by bytes, "
+                    "kernel_mma.BYTE_INDEX_42)")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
     for tool in ("nvcc", "readelf"):
@@ -110,9 +112,10 @@ def main() -> None:
                             continue
                         for blocks in (int(x) for x in a.blocks.split(",")):
                             for quick in (int(x) for x in a.quick.split(",")):
-                                row = measure(bits, d, rows, layout, blocks, Path(tmp), quick)
-                                out.append(row)
-                                print(json.dumps(row), flush=True)
+                                for i42 in (int(x) for x in a.i42.split(",")):
+                                    row = measure(bits, d, rows, layout, blocks, Path(tmp), quick, i42)
+                                    out.append(row)
+                                    print(json.dumps(row), flush=True)
     if a.json:
         meta = {"command": "python tools/kernel_instructions.py " + " ".join(sys.argv[1:]),
                 "nvcc": subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],

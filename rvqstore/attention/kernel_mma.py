@@ -131,6 +131,12 @@ LATE_NORMS = True
 #: same run's attention alone moved by -3 to +7 % at 1k-128k (tools/results/attention-h200-args.json, variant
 #: ``fullmax`` = off); variant ``quickmax`` turns it on
 QUICK_MAX = False
+#: 4+2 at head dim 128 builds its table indices four at a time, by bytes (``T_I42``, ``rvq_idx42``: two byte permutes
+#: and four mask-ors for 16 coordinates, instead of shifts and masks per coordinate); the same table reads, the same
+#: bits (24 cases identical, tools/results/gpu-parity-idx42.txt). 128k 4+2 was bound by issuing its decode's
+#: instructions (tools/results/pcsample-h200-late.json); with it the kernel is 328 instructions smaller and 4+2
+#: attention alone 13-14 % faster at 128k, 6-9 % at 32k (attention-h200-idx42-*.json). Off: variant ``noidx42``
+BYTE_INDEX_42 = True
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
 #: threadgroups per launch the split plan aims at: BLOCKS_PER_SM per SM of an H200 (132 SMs), one wave
@@ -160,7 +166,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     if per is None:
         per = _launches[kc] = {}
     key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS, STRIDED, SWAPPED,
-           BLOCKS_PER_SM, QUICK_SPLIT, LATE_NORMS, QUICK_MAX, device_args.DEVICE_ARGS)
+           BLOCKS_PER_SM, QUICK_SPLIT, LATE_NORMS, QUICK_MAX, BYTE_INDEX_42, device_args.DEVICE_ARGS)
     p = per.get(key)
     if p is not None:
         return p
@@ -173,7 +179,8 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     p.lut, p.two = device_args.moved(_table_array(kc)), kc.bits2 > 0
     p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_D", d), ("T_R", rows), ("T_STRIDE", int(STRIDED)),
                   ("T_SWAP", int(SWAPPED)), ("T_QUICK", int(QUICK_SPLIT)),
-                  ("T_LATEN", int(LATE_NORMS)), ("T_QMAX", int(QUICK_MAX)), ("T_PROBE", PROBE)]
+                  ("T_LATEN", int(LATE_NORMS)), ("T_QMAX", int(QUICK_MAX)),
+                  ("T_I42", int(BYTE_INDEX_42)), ("T_PROBE", PROBE)]
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
     p.run = None  # the prepared launch, made at the first call (when the inputs' dtypes are known)
