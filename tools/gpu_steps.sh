@@ -47,7 +47,7 @@ for s in "$@"; do
         --arms kv,packed-4+2,packed-4+2@noidx42 --steps 8 --rounds 5 --contexts 1024,8192,32768 \
         --json "$OUT/gen-idx42.json" --md "$OUT/gen-idx42.md" ;;
     gen-128k-idx42) step gen-128k-idx42 240 $py tools/bench_generation.py --model random \
-        --arms kv,packed-4+2,packed-4+2@idx42 --steps 6 --rounds 3 --contexts 131072 \
+        --arms kv,packed-4+2,packed-4+2@noidx42 --steps 6 --rounds 3 --contexts 131072 \
         --json "$OUT/gen-128k-idx42.json" --md "$OUT/gen-128k-idx42.md" ;;
     args-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-device-args.txt step args-tests 300 \
         $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py tests/test_attention_gpu.py \

@@ -36,7 +36,7 @@ _INPUTS = (mx.float16, mx.float32, mx.float32, mx.bfloat16, mx.uint32, mx.uint32
 _CALLS = {"swap": "      compute_swap(tile, kwa, vwa, ka, va);", "rows": "      compute(tile, kwa, vwa, ka, va);"}
 
 
-def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, setup: int = 1, i42: int = 0) -> str:
+def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, setup: int = 1, i42: int = 1) -> str:
     """The translation unit of one configuration, as a host nvcc takes it."""
     old = kernel_mma.BLOCKS_PER_SM
     kernel_mma.BLOCKS_PER_SM = blocks
@@ -70,7 +70,7 @@ def compile_stats(tu: str, work: Path, name: str) -> dict:
             "spill_load_bytes": int(spill.group(2)) if spill else None, "instructions": size // 16}
 
 
-def measure(bits, d, rows, layout, blocks, work: Path, quick: int = 1, i42: int = 0) -> dict:
+def measure(bits, d, rows, layout, blocks, work: Path, quick: int = 1, i42: int = 1) -> dict:
     tu = source(bits, d, rows, layout == "swap", blocks, quick, i42)
     call = _CALLS[layout]
     if tu.count(call) != 1:
@@ -94,8 +94,8 @@ def main() -> None:
     ap.add_argument("--blocks", default="3", help="comma list of threadgroups per SM in the launch bounds")
     ap.add_argument("--quick", default="1", help="comma list of T_QUICK values (1: the quick setup and warp merge, "
                     "kernel_mma.QUICK_SPLIT; 0: the first versions)")
-    ap.add_argument("--i42", default="0", help="comma list of T_I42 values (1: 4+2 d128 table indices by bytes, "
-                    "kernel_mma.BYTE_INDEX_42)")
+    ap.add_argument("--i42", default="1", help="comma list of T_I42 values (1: 4+2 d128 table indices by bytes, "
+                    "kernel_mma.BYTE_INDEX_42, the default; 0: one by one)")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
     for tool in ("nvcc", "readelf"):
