@@ -3,7 +3,10 @@
 On a random-weight model (tools/bench_generation.py's geometry flags), caches filled to ``--context`` and
 saved once; then ``--rounds`` rounds of: ``load_prompt_cache`` (timed), ``mx.eval`` of every array the
 caches hold (timed: what the load left unmaterialized or on the host), the first step (timed), a second
-step (timed). mlx-lm's KVCache file the same way, for the baseline. Medians; JSON to ``--json``.
+step (timed). mlx-lm's KVCache file the same way, for the baseline. ``--upload pinned,managed``: each
+``.rvq`` file loaded both through the pinned ring (:mod:`rvqstore.device_upload`) and the regular way
+(``RVQSTORE_PINNED_MB=0``), interleaved in every round; ``pinned_alloc_s``: allocating the ring alone.
+Medians; JSON to ``--json``.
 
     python tools/profile_resume.py --model random --context 32768 --json tools/results/profile-resume.json
 """
@@ -24,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 
+from rvqstore import device_upload, pinned_memory  # noqa: E402
 from bench_generation import add_geometry_args, build_model, fill, geometry, load, make_caches, save, step  # noqa: E402
 
 
@@ -47,6 +51,8 @@ def main(argv=None):
     ap.add_argument("--arms", default="kv,packed-2+2,packed-4+2")
     ap.add_argument("--compress", default="auto,none")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--upload", default="pinned", help="comma list of pinned, managed (CUDA: how sections reach "
+                    "the device)")
     ap.add_argument("--tmp", default=None)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
@@ -62,12 +68,18 @@ def main(argv=None):
             step(model, cs, 1)
             for comp in (["auto"] if arm == "kv" else a.compress.split(",")):
                 path = os.path.join(d, f"{arm}-{comp}.{'safetensors' if arm == 'kv' else 'rvq'}")
-                files[f"{arm}/{comp}"] = (arm, path, save(arm, cs, path, comp))
+                size = save(arm, cs, path, comp)
+                for up in (["-"] if arm == "kv" else a.upload.split(",")):
+                    files[f"{arm}/{comp}" + ("" if up == "-" else f"/{up}")] = (arm, path, size, up)
             del cs
         times = {k: {"load": [], "resident": [], "step1": [], "step2": []} for k in files}
         for r in range(a.rounds):
             for key in (list(files) if r % 2 == 0 else list(files)[::-1]):
-                arm, path, _ = files[key]
+                arm, path, _, up = files[key]
+                if up == "managed":
+                    os.environ[device_upload.ENV] = "0"
+                else:
+                    os.environ.pop(device_upload.ENV, None)
                 mx.synchronize()
                 t0 = time.perf_counter()
                 cs = load(arm, path)
@@ -85,9 +97,19 @@ def main(argv=None):
         for key, t in times.items():
             rows[key] = {k: round(statistics.median(v), 4) for k, v in t.items()}
             rows[key]["file_bytes"] = files[key][2]
+            rows[key]["resume"] = round(rows[key]["load"] + rows[key]["resident"] + rows[key]["step1"], 4)
             print(key, rows[key], flush=True)
+    os.environ.pop(device_upload.ENV, None)
+    alloc = None
+    if device_upload.available():
+        device_upload.release()
+        t0 = time.perf_counter()
+        buf = pinned_memory.allocate(device_upload.max_bytes())
+        alloc = round(time.perf_counter() - t0, 4)
+        buf.free()
+        print("pinned_alloc_s", alloc, "for", device_upload.max_bytes(), "bytes")
     out = {"model": desc, "context": a.context, "device": str(mx.default_device()), "rounds": a.rounds,
-           "seconds": rows}
+           "seconds": rows, "pinned_alloc_s": alloc, "pinned_bytes": device_upload.max_bytes()}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
 

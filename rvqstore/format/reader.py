@@ -222,9 +222,38 @@ class RVQFile:
         arr = np.frombuffer(data, dtype=dt, count=s.n_elements).reshape(s.shape)
         return arr
 
+    def read_section_into(self, name: str, out) -> None:
+        """Write the section's decoded bytes into ``out`` (a writable, C-contiguous buffer of exactly its
+        ``raw_length`` bytes, e.g. a slot of pinned memory), verified as :meth:`read_section` verifies:
+        the checksum before decompression, sizes after; zstd frames decompress straight into ``out``
+        (no intermediate buffer). Bytes are raw: bfloat16 as its bit patterns. On an error ``out``
+        holds unspecified bytes (it is the caller's scratch) and the error is the one read_section
+        raises for the same section."""
+        s = self.section(name)
+        dst = np.asarray(out)
+        if dst.dtype != np.uint8 or dst.ndim != 1 or not dst.flags.c_contiguous or not dst.flags.writeable:
+            raise ValueError("read_section_into needs a writable, contiguous 1-D uint8 buffer")
+        if dst.nbytes != s.raw_length:
+            raise ValueError(f"section {s.name!r} decodes to {s.raw_length} bytes; the buffer holds {dst.nbytes}")
+        stored = self.read_stored(name)
+        try:
+            if s.raw_length == 0:
+                pass
+            elif s.codec == C.CODEC_RAW:
+                src = np.frombuffer(stored, dtype=np.uint8)
+                np.copyto(dst, src)
+                del src
+            elif s.codec == C.CODEC_RANS:
+                data = rans.decode(stored, s.raw_length, f"section {s.name!r}", self.path)
+                np.copyto(dst, data.reshape(-1).view(np.uint8))
+            else:
+                _zstd_decode_into(stored, s, self.path, dst)
+        finally:
+            stored.release()
+
     def read_section_mx(self, name: str):
         """The section as an ``mx.array`` (bfloat16 sections as ``mx.bfloat16``).  Copies into MLX memory."""
-        return self._as_dtype(name, self._read_section_copy(name))
+        return self.typed(name, self._read_section_copy(name))
 
     def _read_section_copy(self, name: str):
         """The section copied into MLX memory, bfloat16 still as its uint16 bit patterns."""
@@ -232,10 +261,12 @@ class RVQFile:
 
         return mx.array(self.read_section(name))
 
-    def _as_dtype(self, name: str, out):
+    def typed(self, name: str, raw):
+        """An ``mx.array`` of the section's raw bytes' dtype as the section's MLX dtype (bfloat16 sections are
+        read as their uint16 bit patterns; this views them as bfloat16)."""
         import mlx.core as mx
 
-        return out.view(mx.bfloat16) if self.section(name).dtype == "bfloat16" else out
+        return raw.view(mx.bfloat16) if self.section(name).dtype == "bfloat16" else raw
 
     def read_sections(self, names: Sequence[str], *, as_mx: bool = False,
                       then: Callable[[Any], Any] | None = None) -> list:
@@ -259,7 +290,7 @@ class RVQFile:
             with ThreadPoolExecutor(workers, thread_name_prefix="rvq-read") as pool:
                 out = _in_order(names, {name: pool.submit(read, name) for name in packed}, read, then)
         # views are graph operations: built here, in the caller's thread, not on the pool's
-        return [self._as_dtype(name, a) for name, a in zip(names, out)] if as_mx else out
+        return [self.typed(name, a) for name, a in zip(names, out)] if as_mx else out
 
     def layer_arrays(self, index: "int | LayerInfo", *, as_mx: bool = False) -> dict[str, Any]:
         """All known-kind sections of a layer (or of a list child, given as its LayerInfo), decoded and
@@ -389,7 +420,9 @@ def _in_order(names: Sequence[str], pending: dict, read: Callable[[str], Any],
     return out
 
 
-def _zstd_decode(stored: memoryview, s: SectionInfo, path: str) -> bytes:
+def _zstd_check(stored: memoryview, s: SectionInfo, path: str):
+    """The frame's parameters, after the checks both decoders make: magic, header, content size, no
+    dictionary."""
     import zstandard
 
     if len(stored) < 4 or bytes(stored[:4]) != C.ZSTD_MAGIC:
@@ -404,6 +437,13 @@ def _zstd_decode(stored: memoryview, s: SectionInfo, path: str) -> bytes:
             path, f"section {s.name!r}: zstd frame declares {cs}, the header declares {s.raw_length}")
     if params.dict_id != 0:
         raise MalformedSectionError(path, f"section {s.name!r}: zstd frame needs dictionary {params.dict_id}")
+    return params
+
+
+def _zstd_decode(stored: memoryview, s: SectionInfo, path: str) -> bytes:
+    import zstandard
+
+    _zstd_check(stored, s, path)
     try:
         out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=s.raw_length,
                                                        allow_extra_data=False)
@@ -413,6 +453,57 @@ def _zstd_decode(stored: memoryview, s: SectionInfo, path: str) -> bytes:
         raise MalformedSectionError(
             path, f"section {s.name!r}: zstd frame decodes to {len(out)} bytes, the header declares {s.raw_length}")
     return out
+
+
+def _zstd_frame_length(stored: memoryview, header_size: int, has_checksum: bool) -> int | None:
+    """The bytes of the one zstd frame at the start of ``stored``: its header, its blocks (each a 3-byte
+    header and its stored bytes: RFC 8878 3.1.1.2) and the optional 4-byte checksum; None where a block
+    header runs past the end or is of the reserved type."""
+    buf = memoryview(stored).cast("B")
+    pos, end = header_size, len(buf)
+    while True:
+        if pos + 3 > end:
+            return None
+        h = buf[pos] | (buf[pos + 1] << 8) | (buf[pos + 2] << 16)
+        kind, size = (h >> 1) & 3, h >> 3
+        if kind == 3:
+            return None
+        pos += 3 + (1 if kind == 1 else size)
+        if h & 1:
+            return pos + (4 if has_checksum else 0)
+
+
+def _zstd_decode_into(stored: memoryview, s: SectionInfo, path: str, dst: np.ndarray) -> None:
+    """Decompress the section's one zstd frame into ``dst`` (exactly ``raw_length`` bytes), refusing what
+    :func:`_zstd_decode` refuses: a bad header, another size, a dictionary, bytes after the frame."""
+    import zstandard
+
+    params = _zstd_check(stored, s, path)
+    try:
+        hsize = zstandard.frame_header_size(stored)
+    except zstandard.ZstdError as e:
+        raise MalformedSectionError(path, f"section {s.name!r}: bad zstd frame header ({e})") from None
+    if _zstd_frame_length(stored, hsize, params.has_checksum) != len(stored):
+        raise MalformedSectionError(path, f"section {s.name!r}: zstd frame does not decode (its blocks do not "
+                                          f"end at the section's {len(stored)} stored bytes)")
+    view = memoryview(dst)
+    n = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=False) as r:
+            while n < len(view):
+                got = r.readinto(view[n:])
+                if not got:
+                    break
+                n += got
+            more = r.read(1) if n == len(view) else b""
+    except zstandard.ZstdError as e:
+        raise MalformedSectionError(path, f"section {s.name!r}: zstd frame does not decode ({e})") from None
+    finally:
+        view.release()
+    if n != s.raw_length or more:
+        got = f"{n} bytes" if not more else f"more than {n} bytes"
+        raise MalformedSectionError(
+            path, f"section {s.name!r}: zstd frame decodes to {got}, the header declares {s.raw_length}")
 
 
 def open_rvq(source: "str | os.PathLike[str] | RangeSource", *,

@@ -6,7 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .. import device_memory
+from .. import device_memory, device_upload
 from ..cache import RVQKVCache
 from ..codec import DTYPE_BY_NAME
 from ..errors import InvalidScaleError, RVQError
@@ -103,8 +103,10 @@ def read_arrays(f) -> dict:
     for layer in f.layers:
         visit(layer)
     names = [name for layer in leaves for name in layer.sections.values()]
-    # side by side where the source allows; on CUDA each copied into device memory as it comes
-    arrays = iter(f.read_sections(names, as_mx=True, then=device_memory.onto_device()))
+    # on CUDA through the pinned ring straight into device memory; else side by side where the source
+    # allows, on CUDA each copied into device memory as it comes
+    got = device_upload.read_sections(f, names)
+    arrays = iter(got if got is not None else f.read_sections(names, as_mx=True, then=device_memory.onto_device()))
     out = {_key(layer): {kind: next(arrays) for kind in layer.sections} for layer in leaves}
     mx.eval([list(a.values()) for a in out.values()])
     return out

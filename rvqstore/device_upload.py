@@ -1,0 +1,259 @@
+"""A file's sections into device memory through a ring of pinned host memory (CUDA).
+
+MLX's CUDA backend makes an array from host data (``mx.array`` of numpy, what the regular reader hands on) in
+fresh CUDA managed memory: the copy into it page-faults every page on first touch, and the device copy that
+:mod:`rvqstore.device_memory` starts faults them again towards the GPU. On the H200's host that ran at ~1.8 GB/s,
+whatever the file's bytes had cost to read (``tools/results/profile-resume-h200-device-copies.json``). Here the
+bytes take another road:
+
+- one buffer of page-locked, device-mapped host memory (:mod:`rvqstore.pinned_memory`), kept by the process and
+  used as a FIFO ring (:class:`StagingRing`); its pages were faulted in once, at allocation;
+- worker threads verify each section and write its decoded bytes straight into its slot of the ring
+  (:meth:`RVQFile.read_section_into`: checksum, then a copy out of the file's mapping or a zstd decompression
+  into the slot);
+- in the caller's thread, one kernel per section (``kernels/rvq_upload.inc``) copies its slot over the host
+  link into a new device array (MLX's allocation, an ordinary GPU operation's output), started at once;
+- a slot is reused once the copy that read it has completed (the oldest copy is waited for when the ring is
+  full).
+
+The result is what :meth:`RVQFile.read_sections` ``(as_mx=True)`` gives, bit for bit, in device memory.
+Sections the ring cannot take (empty, float64, larger than half the ring) and sources that do not allow
+concurrent reads go the regular way. The kernel is checked at first use against the bytes it copied (kept per
+machine, :mod:`rvqstore.first_use`); no driver, no pinned memory or a failed check switch the path off for the
+process (logged once). ``RVQSTORE_PINNED_MB`` sets the ring's largest size in MiB (default
+:data:`DEFAULT_MB`; ``0`` turns the path off); :func:`release` frees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from . import device_memory, first_use, fused, kernel_cache, pinned_memory
+
+log = logging.getLogger("rvqstore.kernels")
+
+ENV = "RVQSTORE_PINNED_MB"
+#: the ring's largest size (MiB) unless ``RVQSTORE_PINNED_MB`` says otherwise
+DEFAULT_MB = 256
+#: the smallest ring worth allocating, and the granularity slots are aligned to
+MIN_RING = 16 << 20
+ALIGN = 256
+#: worker threads that verify and decompress sections into the ring
+THREADS = max(1, min(8, os.cpu_count() or 1))
+#: uploads in flight before the caller waits for the oldest (bounds how far the workers run ahead)
+AHEAD = 2 * THREADS
+
+_MX = {np.dtype(d): m for d, m in (
+    ("|u1", mx.uint8), ("|i1", mx.int8), ("<u2", mx.uint16), ("<i2", mx.int16), ("<u4", mx.uint32),
+    ("<i4", mx.int32), ("<u8", mx.uint64), ("<i8", mx.int64), ("<f2", mx.float16), ("<f4", mx.float32))}
+
+
+class StagingRing:
+    """FIFO allocation of byte ranges in one buffer: :meth:`take` a range at the head (None when the free space
+    cannot hold it now), :meth:`release` the oldest. Ranges are :data:`ALIGN`-aligned and contiguous."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity - capacity % ALIGN
+        self._live: deque = deque()  # (start, end), oldest first
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def take(self, n: int) -> int | None:
+        size = max(ALIGN, -(-n // ALIGN) * ALIGN)
+        if size > self.capacity:
+            raise ValueError(f"{n} bytes do not fit a ring of {self.capacity}")
+        if not self._live:
+            start = 0
+        else:
+            first, (last_start, head) = self._live[0][0], self._live[-1]
+            if last_start >= first:  # not wrapped: free are [head, capacity) and [0, first)
+                start = head if self.capacity - head >= size else 0 if first >= size else None
+            else:  # wrapped: free is [head, first)
+                start = head if first - head >= size else None
+        if start is not None:
+            self._live.append((start, start + size))
+        return start
+
+    def release(self) -> None:
+        self._live.popleft()
+
+
+class _Ring:
+    """The process's pinned buffer and its ring (grown on demand up to the configured size)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.buffer: pinned_memory.PinnedBuffer | None = None
+
+    def ensure(self, want: int) -> pinned_memory.PinnedBuffer:
+        if self.buffer is None or self.buffer.nbytes < want:
+            if self.buffer is not None:
+                self.buffer.free()
+                self.buffer = None
+            self.buffer = pinned_memory.allocate(want)
+        return self.buffer
+
+
+_ring = _Ring()
+_state_lock = threading.Lock()
+_disabled: dict = {}
+_verified: set = set()
+_kernel_fn: list = []
+
+
+def max_bytes() -> int:
+    try:
+        mb = float(os.environ.get(ENV, DEFAULT_MB))
+    except ValueError:
+        mb = DEFAULT_MB
+    return max(0, int(mb * (1 << 20)))
+
+
+def release() -> None:
+    """Free the process's pinned ring (a later load allocates it again)."""
+    with _ring.lock:
+        if _ring.buffer is not None:
+            _ring.buffer.free()
+            _ring.buffer = None
+
+
+def _kernel():
+    if not _kernel_fn:
+        body = fused.load_source("rvq_upload.inc")
+        _kernel_fn.append(kernel_cache.cuda_kernel(
+            name="rvq_upload", input_names=["src"], output_names=["out"], source=body, ensure_row_contiguous=True))
+    return _kernel_fn[0]
+
+
+def _launch(address: int, n: int) -> mx.array:
+    """A new device array of the ``n`` bytes at device ``address`` (pinned host memory)."""
+    src = mx.array([address, n], dtype=mx.uint64)
+    blocks = max(1, min(1024, -(-(n >> 4) // 256)))
+    return _kernel()(inputs=[src], output_shapes=[(n,)], output_dtypes=[mx.uint8], grid=(blocks * 256, 1, 1),
+                     threadgroup=(256, 1, 1))[0]
+
+
+def _checked_copy(buffer: pinned_memory.PinnedBuffer) -> bool:
+    """Whether the upload kernel copies bytes exactly here (first use, kept per machine)."""
+    if "upload" in _verified:
+        return True
+    n = 4096 + 37  # the 16-byte loop, its tail of the four-load loop and the byte tail
+    probe = np.frombuffer(np.random.default_rng(9).bytes(n), np.uint8)
+
+    def launch():
+        buffer.array[:n] = probe
+        return _launch(buffer.device_address, n)
+
+    def check(out):
+        got = np.array(out)
+        return None if np.array_equal(got, probe) else f"{int(np.count_nonzero(got != probe))} of {n} bytes differ"
+
+    out = first_use.serve("upload", launch, check, verified=_verified, disabled=_disabled, lock=_state_lock,
+                          what="pinned upload kernel")
+    if out is not None:
+        mx.eval(out)
+    return out is not None
+
+
+def available() -> bool:
+    """Whether loads here go through the pinned ring (CUDA as the default device, a ring size above zero, not
+    switched off in this process)."""
+    return (fused.gpu_backend() == "cuda" and fused._on_gpu() and max_bytes() >= MIN_RING
+            and "process" not in _disabled)
+
+
+def _eligible(f, name: str, half: int) -> bool:
+    s = f.section(name)
+    return 0 < s.raw_length <= half and s.numpy_dtype in _MX
+
+
+def read_sections(f, names: Sequence[str]) -> list | None:
+    """Each section as :meth:`RVQFile.read_sections` ``(names, as_mx=True)`` returns it, in device memory,
+    through the pinned ring; None where the ring is not to be had now (not CUDA, switched off, busy with
+    another load in this process, the source reads in turn). Raises what reading the sections in turn would:
+    the error of the first failing name."""
+    if not available() or not getattr(f._source, "concurrent_reads", False):
+        return None
+    if not _ring.lock.acquire(blocking=False):
+        return None
+    try:
+        biggest = max((f.section(n).raw_length for n in names), default=0)
+        total = sum(f.section(n).raw_length for n in names)
+        want = min(max_bytes(), max(MIN_RING, -(-min(total, 2 * biggest + ALIGN) // (1 << 20)) << 20))
+        try:
+            buffer = _ring.ensure(want)
+            ok = _checked_copy(buffer)
+        except pinned_memory.PinnedMemoryError as e:
+            ok = False
+            log.warning("pinned uploads switched off: %s", e)
+        if not ok:
+            with _state_lock:
+                _disabled["process"] = "no pinned memory or upload kernel"
+            return None
+        return upload(f, names, buffer.array, lambda off, n: _launch(buffer.device_address + off, n))
+    finally:
+        _ring.lock.release()
+
+
+def upload(f, names: Sequence[str], staging: np.ndarray, launch: Callable[[int, int], mx.array],
+           threads: int = THREADS) -> list:
+    """The pipeline: ``staging`` (a uint8 buffer) as the ring, ``launch(offset, n)`` the copy of its bytes
+    ``[offset, offset + n)`` into a new array (asynchronous; its evaluation is the sign the range may be
+    reused). Sections in ``names`` order, each viewed as its dtype and shape (bfloat16 as :meth:`RVQFile.typed`
+    gives it); ineligible ones read the regular way, in order. Everything it launched is complete when it
+    returns or raises, so ``staging`` may be reused at once."""
+    ring = StagingRing(staging.nbytes)
+    half = ring.capacity // 2
+    jobs: deque = deque()  # (index, offset, future) of eligible sections submitted, in order
+    inflight: deque = deque()  # outputs of launches whose ring range is live, oldest first
+    out: list = [None] * len(names)
+    copy = device_memory.onto_device() or (lambda a: a)
+
+    def wait_oldest():
+        mx.eval(inflight.popleft())
+        ring.release()
+
+    pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="rvq-upload")
+    nxt = 0  # next name to consider for submission
+    try:
+        for i, name in enumerate(names):
+            # keep the workers fed: submit ahead while the ring has room (ineligible names are read in turn)
+            while nxt < len(names) and len(jobs) < AHEAD:
+                if not _eligible(f, names[nxt], half):
+                    nxt += 1
+                    continue
+                n = f.section(names[nxt]).raw_length
+                off = ring.take(n)
+                if off is None:
+                    if not inflight:
+                        break  # the ring holds submitted jobs only: launch the next of them first
+                    wait_oldest()
+                    continue
+                jobs.append((nxt, off, pool.submit(f.read_section_into, names[nxt], staging[off:off + n])))
+                nxt += 1
+            if jobs and jobs[0][0] == i:
+                _, off, fut = jobs.popleft()
+                fut.result()
+                s = f.section(name)
+                raw = launch(off, s.raw_length).view(_MX[s.numpy_dtype]).reshape(s.shape)
+                mx.async_eval(raw)
+                inflight.append(raw)
+                out[i] = f.typed(name, raw)
+            else:
+                out[i] = copy(f.read_section_mx(name))
+        return out
+    finally:
+        for _, _, fut in jobs:
+            fut.cancel()
+        pool.shutdown(wait=True)  # no worker writes the ring after this returns
+        while inflight:
+            wait_oldest()
