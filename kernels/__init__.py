@@ -42,6 +42,7 @@ SOURCES = (
     "rvq_attend_mma.inc",
     "rvq_append.inc",
     "rvq_unpack.inc",
+    "rvq_upload.inc",
 )
 
 

@@ -38,7 +38,8 @@ for s in "$@"; do
     gen-128k-now) step gen-128k-now 240 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-4+2 --steps 6 --rounds 3 --contexts 131072 \
         --json "$OUT/gen-128k-now.json" --md "$OUT/gen-128k-now.md" ;;
-    upload-tests) step upload-tests 300 $py -m pytest -q -rfE -p no:cacheprovider tests/test_device_upload.py \
+    upload-tests) step upload-tests 300 $py -m pytest -q -rfE -p no:cacheprovider tests/test_device_upload.py ;;
+    upload-tests-more) step upload-tests-more 300 $py -m pytest -q -rfE -p no:cacheprovider \
         tests/test_format_read_sections.py tests/test_device_memory.py tests/test_snapshot_fuzz.py tests/test_cache.py \
         tests/test_codec_state_format.py tests/test_format_rans.py ;;
     resume-pinned) step resume-pinned 300 $py tools/profile_resume.py --context 32768 --rounds 3 --tmp "$tmp" \
