@@ -191,7 +191,8 @@ def read_sections(f, names: Sequence[str]) -> list | None:
     try:
         biggest = max((f.section(n).raw_length for n in names), default=0)
         total = sum(f.section(n).raw_length for n in names)
-        want = min(max_bytes(), max(MIN_RING, -(-min(total, 2 * biggest + ALIGN) // (1 << 20)) << 20))
+        # room for every worker's section and the copies behind them
+        want = min(max_bytes(), max(MIN_RING, -(-min(total, (THREADS + 2) * (biggest + ALIGN)) // (1 << 20)) << 20))
         try:
             buffer = _ring.ensure(want)
             ok = _checked_copy(buffer)
