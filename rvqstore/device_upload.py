@@ -50,9 +50,6 @@ ALIGN = 256
 THREADS = max(1, min(8, os.cpu_count() or 1))
 #: uploads in flight before the caller waits for the oldest (bounds how far the workers run ahead)
 AHEAD = 2 * THREADS
-#: zstd sections decompress into a per-thread buffer of ordinary memory, then copy into their slot (off: straight
-#: into the slot; the decompressor reads back its own output, see tools/results/upload-host-h200.json)
-ZSTD_SCRATCH = True
 
 _MX = {np.dtype(d): m for d, m in (
     ("|u1", mx.uint8), ("|i1", mx.int8), ("<u2", mx.uint16), ("<i2", mx.int16), ("<u4", mx.uint32),
@@ -226,17 +223,6 @@ def upload(f, names: Sequence[str], staging: np.ndarray, launch: Callable[[int, 
         mx.eval(inflight.popleft())
         ring.release()
 
-    local = threading.local()
-
-    def fill(name: str, slot: np.ndarray) -> None:
-        if not ZSTD_SCRATCH or f.section(name).codec != "zstd":
-            return f.read_section_into(name, slot)
-        buf = getattr(local, "buf", None)
-        if buf is None or buf.nbytes < slot.nbytes:
-            buf = local.buf = np.empty(slot.nbytes, np.uint8)
-        f.read_section_into(name, buf[:slot.nbytes])
-        np.copyto(slot, buf[:slot.nbytes])
-
     pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="rvq-upload")
     nxt = 0  # next name to consider for submission
     try:
@@ -253,7 +239,7 @@ def upload(f, names: Sequence[str], staging: np.ndarray, launch: Callable[[int, 
                         break  # the ring holds submitted jobs only: launch the next of them first
                     wait_oldest()
                     continue
-                jobs.append((nxt, off, pool.submit(fill, names[nxt], staging[off:off + n])))
+                jobs.append((nxt, off, pool.submit(f.read_section_into, names[nxt], staging[off:off + n])))
                 nxt += 1
             if jobs and jobs[0][0] == i:
                 _, off, fut = jobs.popleft()

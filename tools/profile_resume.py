@@ -51,8 +51,8 @@ def main(argv=None):
     ap.add_argument("--arms", default="kv,packed-2+2,packed-4+2")
     ap.add_argument("--compress", default="auto,none")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--upload", default="pinned", help="comma list of pinned, pinned-direct (zstd straight into "
-                    "the ring), managed (CUDA: how sections reach the device)")
+    ap.add_argument("--upload", default="pinned", help="comma list of pinned, managed (CUDA: how sections reach "
+                    "the device)")
     ap.add_argument("--tmp", default=None)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
@@ -90,7 +90,6 @@ def main(argv=None):
                     os.environ[device_upload.ENV] = "0"
                 else:
                     os.environ.pop(device_upload.ENV, None)
-                device_upload.ZSTD_SCRATCH = up != "pinned-direct"
                 mx.synchronize()
                 spent.clear()
                 t0 = time.perf_counter()
