@@ -35,9 +35,12 @@ def test_copies_are_made_on_cuda_only(monkeypatch):
 
 
 def test_a_load_on_cuda_holds_the_same_codes(tmp_path, monkeypatch):
-    """The load path with the copies on (as on CUDA) gives caches equal to the plain load's."""
+    """The load path with the copies on (as on CUDA without the pinned ring) gives caches equal to the plain
+    load's."""
     import rvqstore
-    from rvqstore import RVQKVCache
+    from rvqstore import RVQKVCache, device_upload
+
+    monkeypatch.setenv(device_upload.ENV, "0")  # the regular reader's path (the ring's: tests/test_device_upload.py)
 
     rng = np.random.default_rng(3)
     caches = [RVQKVCache((2, 2), use_kernels=False) for _ in range(2)]
