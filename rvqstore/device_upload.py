@@ -181,7 +181,7 @@ def read_sections(f, names: Sequence[str]) -> list | None:
     through the pinned ring; None where the ring is not to be had now (not CUDA, switched off, busy with
     another load in this process, the source reads in turn). Raises what reading the sections in turn would:
     the error of the first failing name."""
-    if not available() or not getattr(f._source, "concurrent_reads", False):
+    if not available() or not f.concurrent_reads:
         return None
     if not _ring.lock.acquire(blocking=False):
         return None

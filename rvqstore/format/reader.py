@@ -92,6 +92,11 @@ class RVQFile:
         return self.header.layers
 
     @property
+    def concurrent_reads(self) -> bool:
+        """Whether the source allows reads from several threads at once (files and byte strings do)."""
+        return bool(getattr(self._source, "concurrent_reads", False))
+
+    @property
     def file_length(self) -> int:
         return self.header.file_length
 
@@ -283,7 +288,7 @@ class RVQFile:
         # go to the pool, raw ones are read here meanwhile
         packed = [n for n in names if self.section(n).codec != C.CODEC_RAW]
         big = sum(self.section(n).raw_length for n in packed) >= PARALLEL_MIN_BYTES
-        workers = min(len(packed), READ_THREADS) if big and getattr(self._source, "concurrent_reads", False) else 0
+        workers = min(len(packed), READ_THREADS) if big and self.concurrent_reads else 0
         if workers <= 1:
             out = [read(name) if then is None else then(read(name)) for name in names]
         else:
