@@ -8,6 +8,9 @@ an H200 (tools/results/profile-resume-h200.json), the first step after loading 1
 function that starts a copy of each array into device memory as soon as the array is read (one small
 graph, evaluated asynchronously), so the transfers run while later sections are still being read and
 decompressed, and the cache holds device arrays. Elsewhere (CPU, Metal's unified memory) it gives None.
+
+Since :mod:`rvqstore.device_upload` a CUDA load takes its sections through a pinned ring instead (no managed
+memory at all); these copies serve what the ring does not take (and loads with ``RVQSTORE_PINNED_MB=0``).
 """
 
 from __future__ import annotations
