@@ -29,6 +29,7 @@ from ..cache import RVQKVCache
 from ..codec import DTYPE_BY_NAME, RVQCodec
 from ..compat import UnsupportedCacheError, dense_keys_values
 from ..format import FormatError, Section, open_rvq, write_rvq
+from ..snapshot.decode import read_arrays
 from .errors import CorruptBlockError, StoreConfigError
 
 
@@ -210,11 +211,14 @@ def decode_block(f, *, key: str, parent: str, tokens: np.ndarray, quantizer: dic
             raise CorruptBlockError(f"{where}: quantizer differs from the store's codec")
         if n_layers is not None and len(f.layers) != n_layers:
             raise CorruptBlockError(f"{where}: {len(f.layers)} layers, the model has {n_layers}")
-        out = []
         for L in f.layers:
             if L.kind != "rvq" or L.n_dense_tokens != 0 or L.key_dtype not in DTYPE_BY_NAME:
                 raise CorruptBlockError(f"{where}: layer {L.index} is not a plain rvq layer")
-            a = f.layer_arrays(L.index, as_mx=True)
+        # every layer's sections at once: side by side, and on CUDA straight into device memory
+        arrays = read_arrays(f)
+        out = []
+        for L in f.layers:
+            a = arrays[(L.parent, L.index)]
             out.append(LayerRun(Packed(a["keys.scales"], a["keys.codes1"], a.get("keys.codes2")),
                                 Packed(a["values.scales"], a["values.codes1"], a.get("values.codes2")),
                                 DTYPE_BY_NAME[L.key_dtype], L.head_dim))
