@@ -422,3 +422,38 @@ def test_concurrent_loads_share_nothing(files):
     [t.start() for t in ts]
     [t.join() for t in ts]
     assert out == {k: "ok" for k in keys}
+
+
+def test_a_file_of_mixed_cache_kinds_through_the_pipeline(tmp_path, monkeypatch):
+    """A list layer (recurrent arrays + keys/values), a sliding window and a plain layer: every kind's sections go
+    through the ring and load to the regular path's states, bit for bit."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+    import rvqstore
+
+    mx.random.seed(2)
+    ring = RotatingKVCache(16, 0)
+    plain = KVCache()
+    arrays = ArraysCache(2)
+    arrays[0], arrays[1] = mx.random.normal((1, 3, 8)), mx.random.normal((1, 4))
+    inner = KVCache()
+    for c in (ring, plain, inner):
+        for _ in range(3):
+            k = mx.random.normal((1, 2, 13, 64))
+            c.update_and_fetch(k, k * 0.5)
+    caches = rvqstore.convert_prompt_cache([CacheList(arrays, inner), ring, plain], bits=(4, 2))
+    p = tmp_path / "mixed.rvq"
+    rvqstore.save_prompt_cache(p, caches)
+    ref = rvqstore.load_prompt_cache(str(p))
+    staging = np.zeros(1 << 16, np.uint8)
+    launches = _Launches(staging)
+    monkeypatch.setattr(device_upload, "read_sections", lambda f, names: device_upload.upload(f, names, staging, launches))
+    got = rvqstore.load_prompt_cache(str(p))
+    with F.open_rvq(p) as f:
+        assert len(launches.calls) == sum(1 for s in f.sections if 0 < s.raw_length <= (1 << 15))
+        assert {lay.kind for lay in f.layers} >= {"list", "rvq-rotating", "rvq"}
+    assert [type(c).__name__ for c in got] == [type(c).__name__ for c in ref]
+    for a, b in zip(ref, got):
+        xs = list(_flat(a.state))
+        assert xs
+        _same(xs, list(_flat(b.state)))
