@@ -74,6 +74,12 @@ class _Current:
         _fn(self.lib, "cuCtxPopCurrent_v2", "cuCtxPopCurrent")(ctypes.byref(old))
 
 
+def _free(lib, ptr: int) -> None:
+    f = _fn(lib, "cuMemFreeHost")
+    f.argtypes = [ctypes.c_void_p]
+    f(ptr)
+
+
 class PinnedBuffer:
     """``nbytes`` of page-locked, device-mapped host memory: ``array`` (a writable uint8 numpy view),
     ``device_address`` (what a kernel reads). Freed by :meth:`free` (or when collected)."""
@@ -94,7 +100,7 @@ class PinnedBuffer:
                 get.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
                 _check(get(ctypes.byref(dptr), ptr, 0), "cuMemHostGetDevicePointer")
             except BaseException:
-                _fn(lib, "cuMemHostFree", "cuMemFreeHost")(ptr)
+                _free(lib, ptr.value)
                 raise
         self._ptr = ptr.value
         self.device_address = dptr.value
@@ -105,9 +111,7 @@ class PinnedBuffer:
             ptr, self._ptr = self._ptr, 0
             self.array = None
             with _Current() as lib:
-                f = _fn(lib, "cuMemFreeHost")
-                f.argtypes = [ctypes.c_void_p]
-                f(ptr)
+                _free(lib, ptr)
 
     def __del__(self):  # pragma: no cover - best effort at collection
         try:

@@ -32,7 +32,7 @@ def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool, arrays: 
     if layer.kind == "list":
         return lm.CacheList(*(decode_layer(f, ch, mode=mode, opts=opts, use_kernels=use_kernels, arrays=arrays)
                               for ch in layer.children))
-    a = arrays[_key(layer)] if arrays is not None else f.layer_arrays(layer, as_mx=True)
+    a = arrays[layer_key(layer)] if arrays is not None else f.layer_arrays(layer, as_mx=True)
     if layer.kind == "arrays":
         c = lm.ArraysCache(layer.n_arrays)
         for k, arr in ((int(kind.split(".", 1)[1]), arr) for kind, arr in a.items() if kind.startswith("state.")):
@@ -82,7 +82,8 @@ def _raise_scale_error(f, where: str, sides: dict, kc, vc, dtype) -> None:
             raise MalformedSectionError(f.path, f"{where[len(f.path) + 2:]} {side}: {e}") from None
 
 
-def _key(layer) -> tuple:
+def layer_key(layer) -> tuple:
+    """How :func:`read_arrays` keys a layer (or a list child): ``(parent, index)``."""
     return (layer.parent, layer.index)
 
 
@@ -107,7 +108,7 @@ def read_arrays(f) -> dict:
     # allows, on CUDA each copied into device memory as it comes
     got = device_upload.read_sections(f, names)
     arrays = iter(got if got is not None else f.read_sections(names, as_mx=True, then=device_memory.onto_device()))
-    out = {_key(layer): {kind: next(arrays) for kind in layer.sections} for layer in leaves}
+    out = {layer_key(layer): {kind: next(arrays) for kind in layer.sections} for layer in leaves}
     mx.eval([list(a.values()) for a in out.values()])
     return out
 

@@ -29,7 +29,7 @@ from ..cache import RVQKVCache
 from ..codec import DTYPE_BY_NAME, RVQCodec
 from ..compat import UnsupportedCacheError, dense_keys_values
 from ..format import FormatError, Section, open_rvq, write_rvq
-from ..snapshot.decode import read_arrays
+from ..snapshot.decode import layer_key, read_arrays
 from .errors import CorruptBlockError, StoreConfigError
 
 
@@ -218,7 +218,7 @@ def decode_block(f, *, key: str, parent: str, tokens: np.ndarray, quantizer: dic
         arrays = read_arrays(f)
         out = []
         for L in f.layers:
-            a = arrays[(L.parent, L.index)]
+            a = arrays[layer_key(L)]
             out.append(LayerRun(Packed(a["keys.scales"], a["keys.codes1"], a.get("keys.codes2")),
                                 Packed(a["values.scales"], a["values.codes1"], a.get("values.codes2")),
                                 DTYPE_BY_NAME[L.key_dtype], L.head_dim))
