@@ -262,14 +262,16 @@ class _Stream:
         self._count = None
 
     def check_packed(self, packed: Any, shape: tuple[int, int, int], dim: int, dtype: mx.Dtype,
-                     head_dims: tuple[int, int]) -> None:
-        """Check ``(scales, codes1, codes2)`` from outside (a file, a caller) before any cache takes them."""
+                     head_dims: tuple[int, int], scales: bool = True) -> None:
+        """Check ``(scales, codes1, codes2)`` from outside (a file, a caller) before any cache takes them
+        (``scales=False``: their values were checked already, by the caller)."""
         if (not isinstance(packed, (tuple, list)) or len(packed) != 3 or not isinstance(packed[0], mx.array)
                 or packed[0].shape != shape or self.codec.dim != dim):
             raise InputShapeError(f"keys and values must be (scales, codes1, codes2) with scales of shape "
                                   f"{shape}, coded with head dims {tuple(head_dims)}")
         self.codec.check_encoded(EncodedVectors(*packed, dtype))
-        self.codec.check_scales(packed[0], dtype)  # NaN or within the dtype's bound
+        if scales:
+            self.codec.check_scales(packed[0], dtype)  # NaN or within the dtype's bound
 
     def used(self) -> tuple[mx.array, mx.array, mx.array | None]:
         if self.scales is None:  # nothing coded yet (e.g. all tokens still in the dense window)
@@ -773,11 +775,13 @@ class RVQKVCache:
                     dense_values: mx.array | None, dtype: mx.Dtype, head_dims: tuple[int, int],
                     key_codec: RVQCodec | None = None, value_codec: RVQCodec | None = None,
                     sink: tuple[mx.array, mx.array] | None = None, key_mean: mx.array | None = None,
-                    **kwargs: Any) -> "RVQKVCache":
+                    check_scales: bool = True, **kwargs: Any) -> "RVQKVCache":
         """Build a cache from packed arrays (scales, codes1, codes2) of keys and values, its window
         ``dense_keys``/``dense_values`` and codec state (``kwargs`` carry ``sink_tokens``/``center_keys``
         as for the constructor): ``sink`` ``(sink_keys, sink_values)`` of ``min(offset, sink_tokens)``
-        positions, ``key_mean`` ``(B, H, Dk)`` exactly when ``center_keys`` and tokens are coded."""
+        positions, ``key_mean`` ``(B, H, Dk)`` exactly when ``center_keys`` and tokens are coded.
+        ``check_scales=False``: the caller has checked the scales' values (:meth:`RVQCodec.check_scales`), as a
+        load does for all of a file's layers in one reduction; shapes and dtypes are checked all the same."""
         c = cls(**kwargs)
         ks = keys[0] if isinstance(keys, (tuple, list)) and keys else None
         if not isinstance(ks, mx.array) or ks.ndim != 3:
@@ -790,7 +794,7 @@ class RVQKVCache:
         c.codec_bits, c.value_bits = c._keys.codec.bits, c._values.codec.bits
         c.step, c.value_step = c._keys.codec.step, c._values.codec.step  # the codecs' tables rule
         for stream, packed, d in ((c._keys, keys, head_dims[0]), (c._values, values, head_dims[1])):
-            stream.check_packed(packed, (b, h, n), d, dtype, head_dims)
+            stream.check_packed(packed, (b, h, n), d, dtype, head_dims, scales=check_scales)
         c._keys.set_packed(*keys)
         c._values.set_packed(*values)
         nd = 0

@@ -585,6 +585,19 @@ class RVQCodec:
 _SETTINGS_CHECKED: dict[str, float | None] = {}  # repr of (bits, seed, residual, step) -> the step kept
 
 
+def scales_pass(checks) -> bool:
+    """Whether every ``(codec, scales, dtype)`` of ``checks`` would pass :meth:`RVQCodec.check_scales`, found by
+    one reduction over all of them (a load's one device round trip for a whole file instead of one per layer
+    side). False also where an entry is not bfloat16 scales: check those one by one, for the typed error."""
+    flags = []
+    for codec, scales, dtype in checks:
+        if not isinstance(scales, mx.array) or scales.dtype != mx.bfloat16 or dtype not in _FLOAT_DTYPES:
+            return False
+        if scales.size:
+            flags.append(mx.any(codec.refused_scales(scales, dtype)))
+    return not flags or not bool(mx.any(mx.stack(flags)).item())
+
+
 def checked_step(bits: Any, seed: Any, residual: Any, step: Any) -> float | None:
     """Check codec settings as :class:`RVQCodec` does (its typed errors) and return the ``step`` a codec
     keeps; each distinct setting is checked once per process (a resume builds a cache per layer, each

@@ -11,8 +11,9 @@ bytes take another road:
 - worker threads verify each section and write its decoded bytes straight into its slot of the ring
   (:meth:`RVQFile.read_section_into`: checksum, then a copy out of the file's mapping or a zstd decompression
   into the slot);
-- in the caller's thread, one kernel per section (``kernels/rvq_upload.inc``) copies its slot over the host
-  link into a new device array (MLX's allocation, an ordinary GPU operation's output), started at once;
+- in the caller's thread, one kernel (``kernels/rvq_upload.inc``) per run of neighbouring slots copies them over the
+  host link into a new device array (MLX's allocation, an ordinary GPU operation's output), started at once; each
+  section is a view of it;
 - a slot is reused once the copy that read it has completed (the oldest copy is waited for when the ring is
   full).
 
@@ -48,12 +49,22 @@ MIN_RING = 16 << 20
 ALIGN = 256
 #: worker threads that verify and decompress sections into the ring
 THREADS = max(1, min(8, os.cpu_count() or 1))
-#: uploads in flight before the caller waits for the oldest (bounds how far the workers run ahead)
+#: sections submitted to the workers ahead of the one the caller waits for (bounds how far they run ahead)
 AHEAD = 2 * THREADS
+#: a launch copies a run of neighbouring sections of the ring, up to this fraction (1 / GROUP_SHARE) of it: every
+#: launch is an MLX evaluation of its own (on CUDA a graph built and started), which, one per section (192 in a
+#: 32-layer file), cost more than the copies of a short context (docs/attention.md, "Sections through a pinned
+#: ring"); 0 < share; a large share (many small launches) is the first version's one launch per section
+GROUP_SHARE = 8
 
 _MX = {np.dtype(d): m for d, m in (
     ("|u1", mx.uint8), ("|i1", mx.int8), ("<u2", mx.uint16), ("<i2", mx.int16), ("<u4", mx.uint32),
     ("<i4", mx.int32), ("<u8", mx.uint64), ("<i8", mx.int64), ("<f2", mx.float16), ("<f4", mx.float32))}
+
+
+def _slot(n: int) -> int:
+    """The ring bytes a section of ``n`` bytes takes (:meth:`StagingRing.take`)."""
+    return max(ALIGN, -(-n // ALIGN) * ALIGN)
 
 
 class StagingRing:
@@ -68,7 +79,7 @@ class StagingRing:
         return len(self._live)
 
     def take(self, n: int) -> int | None:
-        size = max(ALIGN, -(-n // ALIGN) * ALIGN)
+        size = _slot(n)
         if size > self.capacity:
             raise ValueError(f"{n} bytes do not fit a ring of {self.capacity}")
         if not self._live:
@@ -210,18 +221,35 @@ def upload(f, names: Sequence[str], staging: np.ndarray, launch: Callable[[int, 
     """The pipeline: ``staging`` (a uint8 buffer) as the ring, ``launch(offset, n)`` the copy of its bytes
     ``[offset, offset + n)`` into a new array (asynchronous; its evaluation is the sign the range may be
     reused). Sections in ``names`` order, each viewed as its dtype and shape (bfloat16 as :meth:`RVQFile.typed`
-    gives it); ineligible ones read the regular way, in order. Everything it launched is complete when it
-    returns or raises, so ``staging`` may be reused at once."""
+    gives it); ineligible ones read the regular way, in order. Neighbouring sections of the ring go in one launch
+    (:data:`GROUP_SHARE`), each section a view of its output. Everything it launched is complete when it returns or
+    raises, so ``staging`` may be reused at once."""
     ring = StagingRing(staging.nbytes)
     half = ring.capacity // 2
+    group_max = max(ALIGN, ring.capacity // GROUP_SHARE)
     jobs: deque = deque()  # (index, offset, future) of eligible sections submitted, in order
-    inflight: deque = deque()  # outputs of launches whose ring range is live, oldest first
+    group: list = []  # (index, offset, length) of sections in the ring, neighbours, not launched yet
+    inflight: deque = deque()  # (output, ring ranges it read) of launches not waited for, oldest first
     out: list = [None] * len(names)
     copy = device_memory.onto_device() or (lambda a: a)
 
+    def launch_group():
+        start, (_, last, n_last) = group[0][1], group[-1]
+        raw = launch(start, last + n_last - start)
+        views = []
+        for i, off, n in group:
+            s = f.section(names[i])
+            views.append(raw[off - start:off - start + n].view(_MX[s.numpy_dtype]).reshape(s.shape))
+            out[i] = f.typed(names[i], views[-1])
+        mx.async_eval(raw, *views)
+        inflight.append((raw, len(group)))
+        group.clear()
+
     def wait_oldest():
-        mx.eval(inflight.popleft())
-        ring.release()
+        raw, ranges = inflight.popleft()
+        mx.eval(raw)
+        for _ in range(ranges):
+            ring.release()
 
     pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="rvq-upload")
     nxt = 0  # next name to consider for submission
@@ -235,22 +263,28 @@ def upload(f, names: Sequence[str], staging: np.ndarray, launch: Callable[[int, 
                 n = f.section(names[nxt]).raw_length
                 off = ring.take(n)
                 if off is None:
-                    if not inflight:
+                    if inflight:
+                        wait_oldest()
+                    elif group:
+                        launch_group()
+                    else:
                         break  # the ring holds submitted jobs only: launch the next of them first
-                    wait_oldest()
                     continue
                 jobs.append((nxt, off, pool.submit(f.read_section_into, names[nxt], staging[off:off + n])))
                 nxt += 1
             if jobs and jobs[0][0] == i:
                 _, off, fut = jobs.popleft()
                 fut.result()
-                s = f.section(name)
-                raw = launch(off, s.raw_length).view(_MX[s.numpy_dtype]).reshape(s.shape)
-                mx.async_eval(raw)
-                inflight.append(raw)
-                out[i] = f.typed(name, raw)
+                n = f.section(name).raw_length
+                if group:
+                    _, last, n_last = group[-1]
+                    if off != last + _slot(n_last) or off + n - group[0][1] > group_max:
+                        launch_group()
+                group.append((i, off, n))
             else:
                 out[i] = copy(f.read_section_mx(name))
+        if group:
+            launch_group()
         return out
     finally:
         for _, _, fut in jobs:

@@ -222,8 +222,10 @@ class RVQRotatingKVCache:
     def from_packed(cls, *, keys: tuple[mx.array, mx.array, mx.array | None],
                     values: tuple[mx.array, mx.array, mx.array | None], offset: int, dtype: mx.Dtype,
                     head_dims: tuple[int, int], key_codec: RVQCodec | None = None,
-                    value_codec: RVQCodec | None = None, **kwargs: Any) -> "RVQRotatingKVCache":
-        """Build from the packed window (temporal order: sinks, then the latest tokens) and the offset."""
+                    value_codec: RVQCodec | None = None, check_scales: bool = True,
+                    **kwargs: Any) -> "RVQRotatingKVCache":
+        """Build from the packed window (temporal order: sinks, then the latest tokens) and the offset
+        (``check_scales``: as :meth:`RVQKVCache.from_packed`)."""
         c = cls(**kwargs)
         ks = keys[0] if isinstance(keys, (tuple, list)) and keys else None
         if not isinstance(ks, mx.array) or ks.ndim != 3:
@@ -237,7 +239,7 @@ class RVQRotatingKVCache:
         c._values = _Stream(value_codec or c._codec(head_dims[1]), (b, h))
         c.step = c._keys.codec.step  # the codecs' tables rule (a file's)
         for stream, packed, d in ((c._keys, keys, head_dims[0]), (c._values, values, head_dims[1])):
-            stream.check_packed(packed, (b, h, n), d, dtype, head_dims)
+            stream.check_packed(packed, (b, h, n), d, dtype, head_dims, scales=check_scales)
         c._keys.set_packed(*keys)
         c._values.set_packed(*values)
         c.offset = offset

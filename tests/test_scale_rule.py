@@ -136,3 +136,41 @@ def test_a_refused_scale_is_named_in_the_error():
     codec = RVQCodec(64, (4, 2))
     with pytest.raises(InvalidScaleError, match=r"^2 scale\(s\) .* first -1\.0$"):
         codec.check_scales(_bf16([[1.0, -1.0], [np.nan, np.inf]]), mx.float16)
+
+
+@pytest.mark.parametrize("layer,side", [(0, "keys"), (2, "values"), (3, "keys")])
+def test_a_load_checks_every_layers_scales_in_one_pass_and_names_the_refused_one(tmp_path, layer, side):
+    """A load checks the whole file's scales in one reduction (rvqstore.codec.scales_pass); where it refuses, the
+    error names the first refused layer and side as the per-layer check does."""
+    caches = [_filled_cache() for _ in range(4)]
+    getattr(caches[layer], f"_{side}").scales[0, 1, 3] = np.inf
+    path = tmp_path / "bad.rvq"
+    save_prompt_cache(path, caches, tokens=list(range(6)))
+    with pytest.raises(MalformedSectionError, match=f"layer {layer} {side}: 1 scale"):
+        load_prompt_cache(path)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scales_pass_is_the_per_array_check_over_all_of_them(dtype):
+    """scales_pass(checks) is True exactly when check_scales passes on every entry (random patterns, a few
+    refused ones in one entry, empty scales, a wrong dtype)."""
+    from rvqstore.codec import scales_pass
+
+    rng = np.random.default_rng(5)
+    codecs = [RVQCodec(64, b, residual=r) for b, r in CONFIGS]
+    for trial in range(40):
+        checks = []
+        for c in codecs:
+            top = min(c.max_scale(dtype), float(np.finfo(np.float32).max) / 2)
+            v = np.abs(rng.standard_normal(int(rng.integers(0, 9)))) * top * 0.9
+            if trial % 3 == 0 and v.size and rng.random() < 0.5:
+                v[int(rng.integers(v.size))] = rng.choice([np.inf, -1.0, c.max_scale(dtype) * 1.1])
+            checks.append((c, _bf16(np.minimum(v, np.finfo(np.float32).max)), dtype))
+        one_by_one = True
+        for c, s, d in checks:
+            try:
+                c.check_scales(s, d)
+            except InvalidScaleError:
+                one_by_one = False
+        assert scales_pass(checks) == one_by_one
+    assert scales_pass([]) and not scales_pass([(codecs[0], mx.zeros((2,), mx.float32), dtype)])

@@ -5,7 +5,7 @@ saved once; then ``--rounds`` rounds of: ``load_prompt_cache`` (timed), ``mx.eva
 caches hold (timed: what the load left unmaterialized or on the host), the first step (timed), a second
 step (timed). mlx-lm's KVCache file the same way, for the baseline. ``--upload pinned,managed``: each
 ``.rvq`` file loaded both through the pinned ring (:mod:`rvqstore.device_upload`) and the regular way
-(``RVQSTORE_PINNED_MB=0``), interleaved in every round; ``pinned_alloc_s``: allocating the ring alone.
+(``RVQSTORE_PINNED_MB=0``), interleaved in every round (``each``: the ring with one launch per section); ``pinned_alloc_s``: allocating the ring alone.
 Medians; JSON to ``--json``.
 
     python tools/profile_resume.py --model random --context 32768 --json tools/results/profile-resume.json
@@ -31,6 +31,10 @@ from rvqstore import device_upload, pinned_memory  # noqa: E402
 from bench_generation import add_geometry_args, build_model, fill, geometry, load, make_caches, save, step  # noqa: E402
 
 
+#: device_upload.GROUP_SHARE that makes every launch one section's (no two slots fit in a group)
+ONE_PER_SECTION = 1 << 40
+
+
 def _arrays(caches):
     out = []
     for c in caches:
@@ -43,6 +47,31 @@ def _arrays(caches):
     return out
 
 
+def _profile_loads(files, path: Path, top: int = 35) -> None:
+    """One load (and ``mx.eval`` of what it holds) of each file under cProfile, the regular upload setting."""
+    import cProfile
+    import io
+    import pstats
+
+    text = io.StringIO()
+    for key, (arm, fpath, _, up) in files.items():
+        if up == "managed":
+            continue
+        os.environ.pop(device_upload.ENV, None)
+        mx.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        cs = load(arm, fpath)
+        mx.eval(_arrays(cs))
+        mx.synchronize()
+        prof.disable()
+        for order in ("tottime", "cumulative"):
+            text.write(f"==== {key}, by {order}\n")
+            pstats.Stats(prof, stream=text).sort_stats(order).print_stats(top)
+        del cs
+    path.write_text(text.getvalue())
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("smollm2", "random"), default="random")
@@ -51,10 +80,12 @@ def main(argv=None):
     ap.add_argument("--arms", default="kv,packed-2+2,packed-4+2")
     ap.add_argument("--compress", default="auto,none")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--upload", default="pinned", help="comma list of pinned, managed (CUDA: how sections reach "
-                    "the device)")
+    ap.add_argument("--upload", default="pinned", help="comma list of pinned, each, managed (CUDA: how sections "
+                    "reach the device; each = the pinned ring with one launch per section, its first version)")
     ap.add_argument("--tmp", default=None)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--cprofile", type=Path, help="after the rounds, one more load of each file under cProfile: "
+                    "its functions by own and by cumulative time, as text to this path")
     a = ap.parse_args(argv)
     model, desc = build_model(a)
     n_layers, kvh, hd = geometry(model)
@@ -83,6 +114,7 @@ def main(argv=None):
             spent.append(time.perf_counter() - t)
             return out
         snap.read_arrays = timed
+        group_share = device_upload.GROUP_SHARE
         for r in range(a.rounds):
             for key in (list(files) if r % 2 == 0 else list(files)[::-1]):
                 arm, path, _, up = files[key]
@@ -90,6 +122,7 @@ def main(argv=None):
                     os.environ[device_upload.ENV] = "0"
                 else:
                     os.environ.pop(device_upload.ENV, None)
+                device_upload.GROUP_SHARE = ONE_PER_SECTION if up == "each" else group_share
                 mx.synchronize()
                 spent.clear()
                 t0 = time.perf_counter()
@@ -106,6 +139,8 @@ def main(argv=None):
                                 (t1 - t0, sum(spent), t2 - t1, t3 - t2, t4 - t3)):
                     times[key][k].append(v)
                 del cs
+        if a.cprofile:
+            _profile_loads(files, a.cprofile)
         for key, t in times.items():
             rows[key] = {k: round(statistics.median(v), 4) for k, v in t.items()}
             rows[key]["file_bytes"] = files[key][2]

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from .. import device_memory, device_upload
 from ..cache import RVQKVCache
-from ..codec import DTYPE_BY_NAME
+from ..codec import DTYPE_BY_NAME, scales_pass
 from ..errors import InvalidScaleError, RVQError
 from ..format import MalformedSectionError
 from ..rotating_cache import RVQRotatingKVCache
@@ -23,15 +23,17 @@ def _codec_settings(key_codec, mode: str, use_kernels: bool) -> dict:
                 residual=key_codec.residual if key_codec.bits2 else "conditional", mode=mode, use_kernels=use_kernels)
 
 
-def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool, arrays: dict | None = None) -> Any:
+def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool, arrays: dict | None = None,
+                 scales_checked: bool = False) -> Any:
     """The cache of one layer map (a list child is given as its LayerInfo); ``arrays``: the layers'
-    sections read already (:func:`read_arrays`)."""
+    sections read already (:func:`read_arrays`); ``scales_checked``: their scales passed already
+    (:func:`_scales_pass`)."""
     from mlx_lm.models import cache as lm
 
     where = f"{f.path}: layer {layer.index if layer.parent is None else f'{layer.parent}, child {layer.index}'}"
     if layer.kind == "list":
-        return lm.CacheList(*(decode_layer(f, ch, mode=mode, opts=opts, use_kernels=use_kernels, arrays=arrays)
-                              for ch in layer.children))
+        return lm.CacheList(*(decode_layer(f, ch, mode=mode, opts=opts, use_kernels=use_kernels, arrays=arrays,
+                                           scales_checked=scales_checked) for ch in layer.children))
     a = arrays[layer_key(layer)] if arrays is not None else f.layer_arrays(layer, as_mx=True)
     if layer.kind == "arrays":
         c = lm.ArraysCache(layer.n_arrays)
@@ -47,8 +49,8 @@ def decode_layer(f, layer, *, mode: str, opts: dict, use_kernels: bool, arrays: 
     sides = _sides(a)
     common = dict(keys=sides["keys"], values=sides["values"], dtype=DTYPE_BY_NAME[layer.key_dtype],
                   head_dims=(layer.head_dim, layer.value_head_dim), key_codec=kc, value_codec=vc,
-                  **_codec_settings(kc, mode, use_kernels))
-    try:  # from_packed checks every scale (NaN or decodable finite in the dtype): one check per side, not two
+                  check_scales=not scales_checked, **_codec_settings(kc, mode, use_kernels))
+    try:  # from_packed checks every scale (NaN or decodable finite in the dtype) unless the file's check did
         if layer.kind == "rvq":
             return RVQKVCache.from_packed(dense_keys=a.get("keys.dense"), dense_values=a.get("values.dense"),
                                           dense_window=opts["dense_window"], flush_block=opts["flush_block"],
@@ -82,6 +84,37 @@ def _raise_scale_error(f, where: str, sides: dict, kc, vc, dtype) -> None:
             raise MalformedSectionError(f.path, f"{where[len(f.path) + 2:]} {side}: {e}") from None
 
 
+def _leaves(f) -> list:
+    """The file's layers with list layers replaced by their children, in order."""
+    out = []
+
+    def visit(layer):
+        if layer.kind == "list":
+            for ch in layer.children:
+                visit(ch)
+        else:
+            out.append(layer)
+
+    for layer in f.layers:
+        visit(layer)
+    return out
+
+
+def _scales_pass(f, arrays: dict, use_kernels: bool) -> bool:
+    """Whether every rvq layer side's scales pass their codec's check (:func:`rvqstore.codec.scales_pass`: one
+    reduction for the file). False on any doubt; each layer then checks its own and raises its typed error."""
+    checks = []
+    try:
+        for layer in _leaves(f):
+            if layer.kind in ("rvq", "rvq-rotating"):
+                a, dtype = arrays[layer_key(layer)], DTYPE_BY_NAME[layer.key_dtype]
+                for side in ("keys", "values"):
+                    checks.append((f.codec_for(layer, side, use_kernels=use_kernels), a[f"{side}.scales"], dtype))
+    except (RVQError, KeyError):
+        return False
+    return scales_pass(checks)
+
+
 def layer_key(layer) -> tuple:
     """How :func:`read_arrays` keys a layer (or a list child): ``(parent, index)``."""
     return (layer.parent, layer.index)
@@ -92,17 +125,7 @@ def read_arrays(f) -> dict:
     threads: :meth:`RVQFile.read_sections`), then evaluated at once:
     the per-layer checks that follow (scales) then find their inputs ready instead of each waiting
     for its layer's copies (measured: 32 -> 11 ms of scale checks for a 4k-token SmolLM2 file)."""
-    leaves = []
-
-    def visit(layer):
-        if layer.kind == "list":
-            for ch in layer.children:
-                visit(ch)
-        else:
-            leaves.append(layer)
-
-    for layer in f.layers:
-        visit(layer)
+    leaves = _leaves(f)
     names = [name for layer in leaves for name in layer.sections.values()]
     # on CUDA through the pinned ring straight into device memory; else side by side where the source
     # allows, on CUDA each copied into device memory as it comes
@@ -115,4 +138,6 @@ def read_arrays(f) -> dict:
 
 def decode_snapshot(f, *, mode: str, opts: dict, use_kernels: bool) -> list:
     arrays = read_arrays(f)
-    return [decode_layer(f, layer, mode=mode, opts=opts, use_kernels=use_kernels, arrays=arrays) for layer in f.layers]
+    checked = _scales_pass(f, arrays, use_kernels)
+    return [decode_layer(f, layer, mode=mode, opts=opts, use_kernels=use_kernels, arrays=arrays, scales_checked=checked)
+            for layer in f.layers]

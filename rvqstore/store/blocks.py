@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import RVQKVCache
-from ..codec import DTYPE_BY_NAME, RVQCodec
+from ..codec import DTYPE_BY_NAME, RVQCodec, scales_pass
 from ..compat import UnsupportedCacheError, dense_keys_values
 from ..format import FormatError, Section, open_rvq, write_rvq
 from ..snapshot.decode import layer_key, read_arrays
@@ -240,17 +240,17 @@ def assemble(blocks: Sequence[BlockData], codec_header: dict, *, mode: str, use_
     codec = RVQCodec.from_header(codec_header, use_kernels=use_kernels)
     kw = dict(bits=codec.bits, seed=codec.seed, residual=codec.residual if codec.bits2 else "conditional",
               mode=mode, use_kernels=use_kernels)
-    caches = []
+    layers = []
     for i in range(len(blocks[0].layers)):
         runs = [b.layers[i] for b in blocks]
-        k = Packed.concat([r.keys for r in runs])
-        v = Packed.concat([r.values for r in runs])
-        dim = runs[0].head_dim
-        caches.append(RVQKVCache.from_packed(keys=(k.scales, k.codes1, k.codes2),
-                                             values=(v.scales, v.codes1, v.codes2), dense_keys=None,
-                                             dense_values=None, dtype=runs[0].dtype, head_dims=(dim, dim),
-                                             key_codec=codec, value_codec=codec, **kw))
-    return caches
+        layers.append((Packed.concat([r.keys for r in runs]), Packed.concat([r.values for r in runs]), runs[0]))
+    # every layer's scales in one reduction; on a refusal each layer's own check raises its error
+    checked = scales_pass([(codec, p.scales, run.dtype) for k, v, run in layers for p in (k, v)])
+    return [RVQKVCache.from_packed(keys=(k.scales, k.codes1, k.codes2), values=(v.scales, v.codes1, v.codes2),
+                                   dense_keys=None, dense_values=None, dtype=run.dtype,
+                                   head_dims=(run.head_dim, run.head_dim), key_codec=codec, value_codec=codec,
+                                   check_scales=not checked, **kw)
+            for k, v, run in layers]
 
 
 def read_block_tokens(backend, path: str) -> np.ndarray | None:
