@@ -49,8 +49,9 @@ MIN_RING = 16 << 20
 ALIGN = 256
 #: worker threads that verify and decompress sections into the ring
 THREADS = max(1, min(8, os.cpu_count() or 1))
-#: sections submitted to the workers ahead of the one the caller waits for (bounds how far they run ahead)
-AHEAD = 2 * THREADS
+#: sections submitted to the workers ahead of the one the caller waits for, per worker (bounds how far they run
+#: ahead)
+AHEAD_PER_THREAD = 2
 #: a launch copies a run of neighbouring sections of the ring, up to this fraction (1 / GROUP_SHARE) of it: every
 #: launch is an MLX evaluation of its own (on CUDA a graph built and started), which, one per section (192 in a
 #: 32-layer file), cost more than the copies of a short context (docs/attention.md, "Sections through a pinned
@@ -217,13 +218,15 @@ def read_sections(f, names: Sequence[str]) -> list | None:
 
 
 def upload(f, names: Sequence[str], staging: np.ndarray, launch: Callable[[int, int], mx.array],
-           threads: int = THREADS) -> list:
+           threads: int | None = None) -> list:
     """The pipeline: ``staging`` (a uint8 buffer) as the ring, ``launch(offset, n)`` the copy of its bytes
     ``[offset, offset + n)`` into a new array (asynchronous; its evaluation is the sign the range may be
-    reused). Sections in ``names`` order, each viewed as its dtype and shape (bfloat16 as :meth:`RVQFile.typed`
+    reused); ``threads`` workers (default :data:`THREADS`). Sections in ``names`` order, each viewed as its dtype and shape (bfloat16 as :meth:`RVQFile.typed`
     gives it); ineligible ones read the regular way, in order. Neighbouring sections of the ring go in one launch
     (:data:`GROUP_SHARE`), each section a view of its output. Everything it launched is complete when it returns or
     raises, so ``staging`` may be reused at once."""
+    threads = max(1, THREADS if threads is None else threads)
+    ahead = AHEAD_PER_THREAD * threads
     ring = StagingRing(staging.nbytes)
     half = ring.capacity // 2
     group_max = max(ALIGN, ring.capacity // GROUP_SHARE)
@@ -251,12 +254,12 @@ def upload(f, names: Sequence[str], staging: np.ndarray, launch: Callable[[int, 
         for _ in range(ranges):
             ring.release()
 
-    pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="rvq-upload")
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="rvq-upload")
     nxt = 0  # next name to consider for submission
     try:
         for i, name in enumerate(names):
             # keep the workers fed: submit ahead while the ring has room (ineligible names are read in turn)
-            while nxt < len(names) and len(jobs) < AHEAD:
+            while nxt < len(names) and len(jobs) < ahead:
                 if not _eligible(f, names[nxt], half):
                     nxt += 1
                     continue

@@ -80,8 +80,9 @@ def main(argv=None):
     ap.add_argument("--arms", default="kv,packed-2+2,packed-4+2")
     ap.add_argument("--compress", default="auto,none")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--upload", default="pinned", help="comma list of pinned, each, managed (CUDA: how sections "
-                    "reach the device; each = the pinned ring with one launch per section, its first version)")
+    ap.add_argument("--upload", default="pinned", help="comma list of pinned, pinned@N, each, managed (CUDA: how "
+                    "sections reach the device; pinned@N with N workers; each = the pinned ring with one launch per "
+                    "section, its first version)")
     ap.add_argument("--tmp", default=None)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--cprofile", type=Path, help="after the rounds, one more load of each file under cProfile: "
@@ -114,7 +115,7 @@ def main(argv=None):
             spent.append(time.perf_counter() - t)
             return out
         snap.read_arrays = timed
-        group_share = device_upload.GROUP_SHARE
+        group_share, threads = device_upload.GROUP_SHARE, device_upload.THREADS
         for r in range(a.rounds):
             for key in (list(files) if r % 2 == 0 else list(files)[::-1]):
                 arm, path, _, up = files[key]
@@ -123,6 +124,7 @@ def main(argv=None):
                 else:
                     os.environ.pop(device_upload.ENV, None)
                 device_upload.GROUP_SHARE = ONE_PER_SECTION if up == "each" else group_share
+                device_upload.THREADS = int(up.split("@")[1]) if "@" in up else threads
                 mx.synchronize()
                 spent.clear()
                 t0 = time.perf_counter()
