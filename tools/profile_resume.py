@@ -141,6 +141,7 @@ def main(argv=None):
                                 (t1 - t0, sum(spent), t2 - t1, t3 - t2, t4 - t3)):
                     times[key][k].append(v)
                 del cs
+        device_upload.GROUP_SHARE, device_upload.THREADS = group_share, threads
         if a.cprofile:
             _profile_loads(files, a.cprofile)
         for key, t in times.items():
