@@ -241,6 +241,20 @@ def _runs(calls, sizes):
     return runs
 
 
+def test_compressed_loads_take_more_workers_than_raw_ones(files, monkeypatch):
+    """zstd is CPU-bound, raw copies bound by memory: a load whose bytes are mostly compressed takes THREADS
+    workers, one mostly raw RAW_THREADS (read from the sections' codecs)."""
+    monkeypatch.setattr(device_upload, "THREADS", 16)
+    monkeypatch.setattr(device_upload, "RAW_THREADS", 8)
+    for comp, want in (("none", 8), ("rans", 16)):
+        with F.open_rvq(files[("packed-4+2", comp)]) as f:
+            names = [s.name for s in f.sections]
+            raw = sum(s.raw_length for s in f.sections if s.codec == "raw")
+            assert (2 * raw > sum(s.raw_length for s in f.sections)) == (want == 8)
+            assert device_upload.workers(f, names) == want
+            assert device_upload.workers(f, []) == 8
+
+
 def test_upload_of_a_subset_in_any_order(files):
     with F.open_rvq(files[("packed-4+2", "auto")]) as f:
         names = [s.name for s in f.sections][::-1][:7]
