@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -47,6 +47,10 @@ for s in "$@"; do
     gen-pinned-32k) step gen-pinned-32k 300 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-4+2 --steps 4 --rounds 3 --contexts 32768 \
         --resume --resume-rounds 3 --tmp "$tmp" --json "$OUT/gen-pinned-32k.json" --md "$OUT/gen-pinned-32k.md" ;;
+    resume-final) step resume-final-32k 200 $py tools/profile_resume.py --context 32768 --rounds 3 --tmp "$tmp" \
+        --json "$OUT/profile-resume-32k.json"
+      step resume-final-1k 200 $py tools/profile_resume.py --context 1024 --rounds 5 --tmp "$tmp" \
+        --json "$OUT/profile-resume-1k.json" ;;
     resume-group) step resume-group-1k 200 $py tools/profile_resume.py --context 1024 --rounds 5 --tmp "$tmp" \
         --upload pinned,each,managed --cprofile "$OUT/cprofile-resume-1k.txt" --json "$OUT/profile-resume-1k.json"
       step resume-group-32k 300 $py tools/profile_resume.py --context 32768 --rounds 3 --tmp "$tmp" \
