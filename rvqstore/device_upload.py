@@ -8,9 +8,9 @@ bytes take another road:
 
 - one buffer of page-locked, device-mapped host memory (:mod:`rvqstore.pinned_memory`), kept by the process and
   used as a FIFO ring (:class:`StagingRing`); its pages were faulted in once, at allocation;
-- worker threads (:data:`THREADS` for mostly compressed loads, :data:`RAW_THREADS` else) verify each section and write its decoded bytes straight into its slot of the ring
-  (:meth:`RVQFile.read_section_into`: checksum, then a copy out of the file's mapping or a zstd decompression
-  into the slot);
+- worker threads (:data:`THREADS` for mostly compressed loads, :data:`RAW_THREADS` else) verify each section and
+  write its decoded bytes straight into its slot of the ring (:meth:`RVQFile.read_section_into`: checksum, then a
+  copy out of the file's mapping or a zstd decompression into the slot);
 - in the caller's thread, one kernel (``kernels/rvq_upload.inc``) per run of neighbouring slots copies them over the
   host link into a new device array (MLX's allocation, an ordinary GPU operation's output), started at once; each
   section is a view of it;
@@ -235,10 +235,10 @@ def upload(f, names: Sequence[str], staging: np.ndarray, launch: Callable[[int, 
            threads: int | None = None) -> list:
     """The pipeline: ``staging`` (a uint8 buffer) as the ring, ``launch(offset, n)`` the copy of its bytes
     ``[offset, offset + n)`` into a new array (asynchronous; its evaluation is the sign the range may be
-    reused); ``threads`` workers (default :data:`THREADS`). Sections in ``names`` order, each viewed as its dtype and shape (bfloat16 as :meth:`RVQFile.typed`
-    gives it); ineligible ones read the regular way, in order. Neighbouring sections of the ring go in one launch
-    (:data:`GROUP_SHARE`), each section a view of its output. Everything it launched is complete when it returns or
-    raises, so ``staging`` may be reused at once."""
+    reused); ``threads`` workers (default :data:`THREADS`). Sections in ``names`` order, each viewed as its dtype
+    and shape (bfloat16 as :meth:`RVQFile.typed` gives it); ineligible ones read the regular way, in order.
+    Neighbouring sections of the ring go in one launch (:data:`GROUP_SHARE`), each section a view of its output.
+    Everything it launched is complete when it returns or raises, so ``staging`` may be reused at once."""
     threads = max(1, THREADS if threads is None else threads)
     ahead = AHEAD_PER_THREAD * threads
     ring = StagingRing(staging.nbytes)

@@ -5,8 +5,9 @@ saved once; then ``--rounds`` rounds of: ``load_prompt_cache`` (timed), ``mx.eva
 caches hold (timed: what the load left unmaterialized or on the host), the first step (timed), a second
 step (timed). mlx-lm's KVCache file the same way, for the baseline. ``--upload pinned,managed``: each
 ``.rvq`` file loaded both through the pinned ring (:mod:`rvqstore.device_upload`) and the regular way
-(``RVQSTORE_PINNED_MB=0``), interleaved in every round (``each``: the ring with one launch per section); ``pinned_alloc_s``: allocating the ring alone.
-Medians; JSON to ``--json``.
+(``RVQSTORE_PINNED_MB=0``), interleaved in every round (``each``: the ring with one launch per section;
+``pinned@N``: with N workers); ``pinned_alloc_s``: allocating the ring alone. ``--cprofile``: one more load of each
+file under cProfile. Medians; JSON to ``--json``.
 
     python tools/profile_resume.py --model random --context 32768 --json tools/results/profile-resume.json
 """
