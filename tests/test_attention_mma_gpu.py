@@ -192,11 +192,13 @@ def test_the_quick_kernels_are_chosen_by_setting_and_dialect(monkeypatch):
 
 
 def test_the_maxima_and_norms_orders_are_chosen_by_setting(monkeypatch):
-    """kernel_mma.QUICK_MAX, LATE_NORMS and BYTE_INDEX_42 become the templates' T_QMAX, T_LATEN and T_I42 and are
-    part of the plan's key (switching one makes a new launch, the variants' same-run arms)."""
+    """kernel_mma.QUICK_MAX, LATE_NORMS, BYTE_INDEX_42, SHARED_ADDRESS and TILE_PAIRS become the templates' T_QMAX,
+    T_LATEN, T_I42, T_LDS and T_PING and are part of the plan's key (switching one makes a new launch, the variants' same-run
+    arms)."""
     c, _, _ = _cache((2, 2), 2, 40, 128)
     view = c.codes_view()
-    for name, param in (("QUICK_MAX", "T_QMAX"), ("LATE_NORMS", "T_LATEN"), ("BYTE_INDEX_42", "T_I42")):
+    for name, param in (("QUICK_MAX", "T_QMAX"), ("LATE_NORMS", "T_LATEN"), ("BYTE_INDEX_42", "T_I42"),
+                        ("SHARED_ADDRESS", "T_LDS"), ("TILE_PAIRS", "T_PING")):
         plans = {}
         for on in (True, False):
             monkeypatch.setattr(kernel_mma, name, on)
@@ -331,8 +333,9 @@ def test_gpu_fused_merge_many_calls_at_once():
 def test_gpu_quick_maxima_and_late_norms_keep_every_bit(case, swapped, monkeypatch):
     """The split kernel skipping the maxima's shuffles where no score passes its row's running maximum
     (kernel_mma.QUICK_MAX), converting the norms late (LATE_NORMS) and building 4+2's table indices by bytes
-    (BYTE_INDEX_42) computes what the first order did: the partials o, m and l bit for bit, each switch against
-    its off arm."""
+    (BYTE_INDEX_42), reading the table by shared address (SHARED_ADDRESS) and taking two tiles a turn (TILE_PAIRS)
+    computes what the first order did:
+    the partials o, m and l bit for bit, each switch against its off arm."""
     bits, residual, d, hkv, g, L, n, b, window = case
     monkeypatch.setattr(kernel_mma, "SWAPPED", swapped)
     c, _, _ = _cache(bits, hkv, n, d, b=b, window=window, residual=residual, seed=n + 5)
@@ -340,7 +343,7 @@ def test_gpu_quick_maxima_and_late_norms_keep_every_bit(case, swapped, monkeypat
     q = mx.array(np.random.default_rng(n + 6).standard_normal((b, hkv * g, L, d)).astype(np.float32)).astype(mx.float16)
     scale, causal = d ** -0.5, L > 1
     results = []
-    for name in ("QUICK_MAX", "LATE_NORMS", "BYTE_INDEX_42"):
+    for name in ("QUICK_MAX", "LATE_NORMS", "BYTE_INDEX_42", "SHARED_ADDRESS", "TILE_PAIRS"):
         parts = {}
         for on in (True, False):
             monkeypatch.setattr(kernel_mma, name, on)

@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: lds-tests attn-lds gen-lds gen-128k-lds resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -59,6 +59,19 @@ for s in "$@"; do
     gen-pinned) step gen-pinned 300 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-4+2 --steps 4 --rounds 3 --contexts 1024,8192,32768 \
         --resume --resume-rounds 3 --tmp "$tmp" --json "$OUT/gen-pinned.json" --md "$OUT/gen-pinned.md" ;;
+    lds-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-lds.txt step lds-tests 300 \
+        $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py tests/test_attention_gpu.py \
+        tests/test_decode_step_gpu.py ;;
+    attn-lds) step attn-lds-22 200 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
+        --rounds 7 --k 10 --variants before,nolds,oneturn --json "$OUT/attention-lds-22.json"
+      step attn-lds-42 200 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 4+2,2+2 \
+        --rounds 7 --k 10 --variants before,nolds,oneturn --json "$OUT/attention-lds-42.json" ;;
+    gen-lds) step gen-lds 300 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@before,packed-4+2,packed-4+2@before --steps 8 --rounds 5 \
+        --contexts 1024,8192,32768 --json "$OUT/gen-lds.json" --md "$OUT/gen-lds.md" ;;
+    gen-128k-lds) step gen-128k-lds 240 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@before,packed-4+2,packed-4+2@before --steps 6 --rounds 3 --contexts 131072 \
+        --json "$OUT/gen-128k-lds.json" --md "$OUT/gen-128k-lds.md" ;;
     idx42-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-idx42.txt step idx42-tests 300 \
         $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py tests/test_attention_gpu.py \
         tests/test_decode_step_gpu.py ;;

@@ -5,13 +5,17 @@ local ``nvcc -cubin -arch=sm_90a -Xptxas -v``; reported: the registers and spill
 kernel's instructions (its ``.text`` section / 16 bytes, read with ``readelf``), and the instructions of one
 copy of a tile's compute: the growth of the kernel when its tile loop calls the compute twice (the second call
 on another tile index, so it is not merged with the first). The loop body is unrolled, so that growth is what
-one tile costs in issued instructions (before predication). Both layouts of the kernel (``rows``: query rows
+one tile costs in issued instructions (before predication); it is measured on the one-tile loop (``--ping 0``).
+With a disassembler (``--nvdisasm``, or ``nvdisasm`` on PATH) also the tile loop's own instructions, from the
+listing (with ``--ping 1`` a turn of two tiles). Both layouts of the kernel (``rows``: query rows
 as the mma's rows; ``swap``: as its columns, up to 8 rows) and the launch bounds' threadgroups per SM can be
 compared side by side:
 
     python tools/kernel_instructions.py --bits 2+2,4+2,4+4 --rows 4,8 --json tools/results/kernel-instructions-sm90.json
     python tools/kernel_instructions.py --bits 2+2,4+2,4+4 --rows 4,8 --layouts swap --quick 1,0 \
         --json tools/results/kernel-instructions-sm90-quick.json
+    python tools/kernel_instructions.py --bits 2+2,4+2 --rows 4,8 --layouts swap --lds 0,1 --ping 0,1 \
+        --nvdisasm /path/to/nvdisasm --json tools/results/kernel-instructions-sm90-lds.json
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ _INPUTS = (mx.float16, mx.float32, mx.float32, mx.bfloat16, mx.uint32, mx.uint32
 _CALLS = {"swap": "      compute_swap(tile, kwa, vwa, ka, va);", "rows": "      compute(tile, kwa, vwa, ka, va);"}
 
 
-def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, setup: int = 1, i42: int = 1) -> str:
+def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, setup: int = 1, i42: int = 1,
+           lds: int = 1, ping: int = 1) -> str:
     """The translation unit of one configuration, as a host nvcc takes it."""
     old = kernel_mma.BLOCKS_PER_SM
     kernel_mma.BLOCKS_PER_SM = blocks
@@ -45,7 +50,7 @@ def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, se
     finally:
         kernel_mma.BLOCKS_PER_SM = old
     template = [("T_B1", bits[0]), ("T_B2", bits[1]), ("T_D", d), ("T_R", rows), ("T_STRIDE", 1),
-                ("T_SWAP", int(swap)), ("T_QUICK", setup), ("T_LATEN", 1), ("T_QMAX", 0), ("T_I42", i42), ("T_PROBE", 0)]
+                ("T_SWAP", int(swap)), ("T_QUICK", setup), ("T_LATEN", 1), ("T_QMAX", 0), ("T_I42", i42), ("T_LDS", lds), ("T_PING", ping), ("T_PROBE", 0)]
     _, tu = k.source_for(template, _INPUTS, (mx.float32, mx.float32))
     # NVRTC has no <stdint.h>; the host compiler does, and refuses these two typedefs again
     return tu.replace("typedef long long int64_t;", "").replace("typedef unsigned long long uint64_t;", "")
@@ -70,19 +75,51 @@ def compile_stats(tu: str, work: Path, name: str) -> dict:
             "spill_load_bytes": int(spill.group(2)) if spill else None, "instructions": size // 16}
 
 
-def measure(bits, d, rows, layout, blocks, work: Path, quick: int = 1, i42: int = 1) -> dict:
-    tu = source(bits, d, rows, layout == "swap", blocks, quick, i42)
+def loop_instructions(cubin: Path, nvdisasm: str | None) -> int | None:
+    """Instructions of the tile loop in ``nvdisasm``'s listing of ``cubin``: the shortest span from a label to a
+    backward branch to it that holds every mma of the kernel (the shuffles' fallback blocks, placed at the end and
+    branching back, span more); None without the disassembler."""
+    if not nvdisasm:
+        return None
+    text = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    labels, ins = {}, []
+    for line in text.splitlines():
+        m = re.match(r"^\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m:
+            ins.append(m.group(1))
+    mma = [i for i, t in enumerate(ins) if "HMMA" in t]
+    best = None
+    for i, t in enumerate(ins):
+        m = re.search(r"BRA\s.*?(\.L_x_\d+)", t)
+        start = labels.get(m.group(1)) if m else None
+        if start is not None and start <= i and mma and start <= mma[0] and mma[-1] <= i:
+            best = i + 1 - start if best is None else min(best, i + 1 - start)
+    return best
+
+
+def measure(bits, d, rows, layout, blocks, work: Path, quick: int = 1, i42: int = 1, lds: int = 1, ping: int = 1,
+            nvdisasm: str | None = None) -> dict:
+    tu = source(bits, d, rows, layout == "swap", blocks, quick, i42, lds, ping)
     call = _CALLS[layout]
-    if tu.count(call) != 1:
-        raise SystemExit(f"the tile loop's call {call.strip()!r} is not in the kernel once: update this tool")
-    again = call.strip().replace("(tile, kwa, vwa, ka, va)", "(tile + 3u, kwa, vwa, kb, vb)")
-    twice = tu.replace(call, "      { " + call.strip() + " " + again + " }")  # one statement (an if/else branch)
-    name = f"b{bits[0]}{bits[1]}_d{d}_r{rows}_{layout}_tg{blocks}_q{quick}_i{i42}"
+    name = f"b{bits[0]}{bits[1]}_d{d}_r{rows}_{layout}_tg{blocks}_q{quick}_i{i42}_l{lds}_p{ping}"
     one = compile_stats(tu, work, name)
-    two = compile_stats(twice, work, name + "_twice")
+    one["loop_instructions"] = loop_instructions(work / f"{name}.cubin", nvdisasm)  # a two-tile turn with T_PING
+    tile = None
+    if not ping:  # the one-tile loop is the kernel's last call of the compute
+        at = tu.rfind(call)
+        if at < 0:
+            raise SystemExit(f"the tile loop's call {call.strip()!r} is not in the kernel: update this tool")
+        again = call.strip().replace("(tile, kwa, vwa, ka, va)", "(tile + 3u, kwa, vwa, kb, vb)")
+        # one statement (an if/else branch)
+        twice = tu[:at] + "      { " + call.strip() + " " + again + " }" + tu[at + len(call):]
+        two = compile_stats(twice, work, name + "_twice")
+        tile = two["instructions"] - one["instructions"]
     return {"bits": f"{bits[0]}+{bits[1]}", "d": d, "rows": rows, "layout": layout, "blocks_per_sm": blocks,
-            "quick": quick, "i42": i42, **one,
-            "tile_compute_instructions": two["instructions"] - one["instructions"]}
+            "quick": quick, "i42": i42, "lds": lds, "ping": ping, **one, "tile_compute_instructions": tile}
 
 
 def main() -> None:
@@ -96,6 +133,12 @@ def main() -> None:
                     "kernel_mma.QUICK_SPLIT; 0: the first versions)")
     ap.add_argument("--i42", default="1", help="comma list of T_I42 values (1: 4+2 d128 table indices by bytes, "
                     "kernel_mma.BYTE_INDEX_42, the default; 0: one by one)")
+    ap.add_argument("--lds", default="1", help="comma list of T_LDS values (1: table reads by 32-bit shared address, "
+                    "kernel_mma.SHARED_ADDRESS, the default; 0: through the generic pointer)")
+    ap.add_argument("--ping", default="1", help="comma list of T_PING values (1: two tiles a loop turn, "
+                    "kernel_mma.TILE_PAIRS, the default; 0: one)")
+    ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"), help="the disassembler, for the tile loop's "
+                    "instructions (default: on PATH; pip's nvidia-cuda-nvdisasm has one)")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
     for tool in ("nvcc", "readelf"):
@@ -113,9 +156,12 @@ def main() -> None:
                         for blocks in (int(x) for x in a.blocks.split(",")):
                             for quick in (int(x) for x in a.quick.split(",")):
                                 for i42 in (int(x) for x in a.i42.split(",")):
-                                    row = measure(bits, d, rows, layout, blocks, Path(tmp), quick, i42)
-                                    out.append(row)
-                                    print(json.dumps(row), flush=True)
+                                    for lds in (int(x) for x in a.lds.split(",")):
+                                        for ping in (int(x) for x in a.ping.split(",")):
+                                            row = measure(bits, d, rows, layout, blocks, Path(tmp), quick, i42, lds,
+                                                          ping, a.nvdisasm)
+                                            out.append(row)
+                                            print(json.dumps(row), flush=True)
     if a.json:
         meta = {"command": "python tools/kernel_instructions.py " + " ".join(sys.argv[1:]),
                 "nvcc": subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
