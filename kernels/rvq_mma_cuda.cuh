@@ -144,6 +144,12 @@ RVQ_FN uint rvq_lut_at(uint at, uint e) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at + (e << 7)) : "memory");
   return v;
 }
+// the table word at byte offset `off` from the table's 32-bit shared address `base` (the offset built whole)
+RVQ_FN uint rvq_lut_off(uint base, uint off) {
+  uint v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(base + off) : "memory");
+  return v;
+}
 // the GPU's global nanosecond timer (timing probes)
 RVQ_FN unsigned long long rvq_clock() {
   unsigned long long t;

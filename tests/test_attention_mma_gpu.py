@@ -191,6 +191,11 @@ def test_the_quick_kernels_are_chosen_by_setting_and_dialect(monkeypatch):
             assert t["T_QUICK"] == int(quick and dialect == "cuda")
 
 
+#: the settings of the split kernel that must not change its bits, each setting's values (the last: the first order)
+_ARMS = {"QUICK_MAX": (True, False), "LATE_NORMS": (True, False), "BYTE_INDEX_42": (True, False),
+         "SHARED_ADDRESS": (2, 1, 0), "TILE_PAIRS": (True, False)}
+
+
 def test_the_maxima_and_norms_orders_are_chosen_by_setting(monkeypatch):
     """kernel_mma.QUICK_MAX, LATE_NORMS, BYTE_INDEX_42, SHARED_ADDRESS and TILE_PAIRS become the templates' T_QMAX,
     T_LATEN, T_I42, T_LDS and T_PING and are part of the plan's key (switching one makes a new launch, the variants' same-run
@@ -200,11 +205,11 @@ def test_the_maxima_and_norms_orders_are_chosen_by_setting(monkeypatch):
     for name, param in (("QUICK_MAX", "T_QMAX"), ("LATE_NORMS", "T_LATEN"), ("BYTE_INDEX_42", "T_I42"),
                         ("SHARED_ADDRESS", "T_LDS"), ("TILE_PAIRS", "T_PING")):
         plans = {}
-        for on in (True, False):
+        for on in _ARMS[name]:
             monkeypatch.setattr(kernel_mma, name, on)
             plans[on] = kernel_mma._plan(view, 256, 2, 4, 1, False, 0.1)
             assert dict(plans[on].template)[param] == int(on)
-        assert plans[True] is not plans[False]
+        assert len({id(p) for p in plans.values()}) == len(_ARMS[name])
 
 
 # ---- on the GPU ------------------------------------------------------------------------------------------
@@ -333,9 +338,9 @@ def test_gpu_fused_merge_many_calls_at_once():
 def test_gpu_quick_maxima_and_late_norms_keep_every_bit(case, swapped, monkeypatch):
     """The split kernel skipping the maxima's shuffles where no score passes its row's running maximum
     (kernel_mma.QUICK_MAX), converting the norms late (LATE_NORMS) and building 4+2's table indices by bytes
-    (BYTE_INDEX_42), reading the table by shared address (SHARED_ADDRESS) and taking two tiles a turn (TILE_PAIRS)
-    computes what the first order did:
-    the partials o, m and l bit for bit, each switch against its off arm."""
+    (BYTE_INDEX_42), reading the table by shared address (SHARED_ADDRESS 2 and 1) and taking two tiles a turn
+    (TILE_PAIRS) computes what the first order did: the partials o, m and l bit for bit, each setting against its
+    first order's arm."""
     bits, residual, d, hkv, g, L, n, b, window = case
     monkeypatch.setattr(kernel_mma, "SWAPPED", swapped)
     c, _, _ = _cache(bits, hkv, n, d, b=b, window=window, residual=residual, seed=n + 5)
@@ -343,15 +348,16 @@ def test_gpu_quick_maxima_and_late_norms_keep_every_bit(case, swapped, monkeypat
     q = mx.array(np.random.default_rng(n + 6).standard_normal((b, hkv * g, L, d)).astype(np.float32)).astype(mx.float16)
     scale, causal = d ** -0.5, L > 1
     results = []
-    for name in ("QUICK_MAX", "LATE_NORMS", "BYTE_INDEX_42", "SHARED_ADDRESS", "TILE_PAIRS"):
-        parts = {}
-        for on in (True, False):
+    for name, arms in _ARMS.items():
+        parts, default = {}, getattr(kernel_mma, name)
+        for on in arms:
             monkeypatch.setattr(kernel_mma, name, on)
             parts[on] = kernel_mma.launch(view, q, L, causal, scale)
             mx.eval(parts[on])
-        monkeypatch.setattr(kernel_mma, name, True)
-        same = all(bool(mx.array_equal(x, y, equal_nan=True)) for x, y in zip(parts[True], parts[False]))
-        results.append((name, same))
+        monkeypatch.setattr(kernel_mma, name, default)
+        for on in arms[:-1]:
+            same = all(bool(mx.array_equal(x, y, equal_nan=True)) for x, y in zip(parts[on], parts[arms[-1]]))
+            results.append((f"{name}={int(on)}", same))
     layout = "swap" if swapped and g * L <= 8 else "rows"
     ok = all(same for _, same in results)
     _record("mma-quick-max-late-norms", ok, f"{case} {layout} " + " ".join(f"{n} identical={s}" for n, s in results))

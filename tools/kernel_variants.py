@@ -15,7 +15,7 @@ off); ``unbound`` = no decode step bound, every step through the regular paths (
 updates, resident caches stage their codes, and neither binds its steps);
 ``slowsplit`` = the tensor-core split kernel's first setup and warp merge (a loop turn per load, a barrier per
 butterfly stride of the queries' rotation, a barrier per warp; kernel_mma.QUICK_SPLIT off); ``slowmerge`` = the merge kernel's first version (kernel.QUICK_MERGE
-off); ``slowboth`` = both; ``earlynorms`` = the tensor-core split kernel converting the next tile's norms right after their loads (kernel_mma.LATE_NORMS off); ``fullmax`` / ``quickmax`` = the tensor-core split kernel reducing its rows' maxima by shuffles at every tile (the default) / skipping them where no score passes the running maxima (kernel_mma.QUICK_MAX off / on); ``idx42`` / ``noidx42`` = 4+2 at head dim 128 building its table indices by bytes or one by one (kernel_mma.BYTE_INDEX_42); ``lds`` / ``nolds`` = the table reads by 32-bit shared address or through the generic pointer (kernel_mma.SHARED_ADDRESS); ``pairs`` / ``oneturn`` = the tile loop taking two tiles a turn or one (kernel_mma.TILE_PAIRS); ``before`` = neither (the kernel of 2026-12-04); ``hostargs`` = the kernels' small constant inputs and the in-place append's count left where MLX puts host-made and 4-byte arrays (managed memory, the scalar pool; device_args.DEVICE_ARGS off); ``sdpaNk`` = on CUDA, caches of fewer than N x 1024 tokens decline attention on the codes
+off); ``slowboth`` = both; ``earlynorms`` = the tensor-core split kernel converting the next tile's norms right after their loads (kernel_mma.LATE_NORMS off); ``fullmax`` / ``quickmax`` = the tensor-core split kernel reducing its rows' maxima by shuffles at every tile (the default) / skipping them where no score passes the running maxima (kernel_mma.QUICK_MAX off / on); ``idx42`` / ``noidx42`` = 4+2 at head dim 128 building its table indices by bytes or one by one (kernel_mma.BYTE_INDEX_42); ``lds`` / ``lds1`` / ``nolds`` = the table reads by 32-bit shared address with 4+2's offsets built by byte permutes, by shared address alone, or through the generic pointer (kernel_mma.SHARED_ADDRESS 2 / 1 / 0); ``pairs`` / ``oneturn`` = the tile loop taking two tiles a turn or one (kernel_mma.TILE_PAIRS); ``before`` = neither (the kernel of 2026-12-04); ``hostargs`` = the kernels' small constant inputs and the in-place append's count left where MLX puts host-made and 4-byte arrays (managed memory, the scalar pool; device_args.DEVICE_ARGS off); ``sdpaNk`` = on CUDA, caches of fewer than N x 1024 tokens decline attention on the codes
 (decode-then-SDPA on what update_and_fetch handed out; dispatch.MIN_TOKENS_ON_CODES_CUDA); ``sdpa`` = that at every
 length (the other arm of the crossover); ``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
 ``simt`` for fp16 calls on CUDA."""
@@ -37,9 +37,9 @@ VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False
             "slowboth": {"QUICK_SPLIT": False, "QUICK_MERGE": False}, "earlynorms": {"LATE_NORMS": False},
             "fullmax": {"QUICK_MAX": False}, "quickmax": {"QUICK_MAX": True},
             "idx42": {"BYTE_INDEX_42": True}, "noidx42": {"BYTE_INDEX_42": False},
-            "lds": {"SHARED_ADDRESS": True}, "nolds": {"SHARED_ADDRESS": False},
+            "lds": {"SHARED_ADDRESS": 2}, "lds1": {"SHARED_ADDRESS": 1}, "nolds": {"SHARED_ADDRESS": 0},
             "pairs": {"TILE_PAIRS": True}, "oneturn": {"TILE_PAIRS": False},
-            "before": {"SHARED_ADDRESS": False, "TILE_PAIRS": False},
+            "before": {"SHARED_ADDRESS": 0, "TILE_PAIRS": False},
             "hostargs": {"DEVICE_ARGS": False}, "sdpa": {"MIN_TOKENS_ON_CODES_CUDA": 1 << 31}, "default": {}}
 _MODULE = {"TENSOR_CORES": kernel_mma, "STRIDED": kernel_mma, "SWAPPED": kernel_mma, "BLOCKS_PER_SM": kernel_mma,
            "TARGET_GROUPS": kernel_mma, "FUSED_MERGE": kernel_mma, "QUICK_SPLIT": kernel_mma, "LATE_NORMS": kernel_mma, "QUICK_MAX": kernel_mma, "BYTE_INDEX_42": kernel_mma,

@@ -137,16 +137,19 @@ QUICK_MAX = False
 #: instructions (tools/results/pcsample-h200-late.json); with it the kernel is 328 instructions smaller and 4+2
 #: attention alone 13-14 % faster at 128k, 6-9 % at 32k (attention-h200-idx42-*.json). Off: variant ``noidx42``
 BYTE_INDEX_42 = True
-#: 2+2's and byte-indexed 4+2's table reads take this lane's copy by its 32-bit shared address (``T_LDS``,
-#: ``rvq_lut_at``): one multiply-add per read, where through the generic pointer ptxas built each address in three
-#: (shift, or with the lane, shift-add); the tile loop is 15 % fewer instructions (714 against 842 at 2+2, 1,103
-#: against 1,291 at 4+2; local ``nvcc -arch=sm_90a``), the same loads, the same bits. Off: variant ``nolds``
-SHARED_ADDRESS = True
+#: 2+2's and byte-indexed 4+2's table reads by 32-bit shared address (``T_LDS``): 1, ``rvq_lut_at``: one
+#: multiply-add per read makes this lane's entry's address, where through the generic pointer ptxas built it in three
+#: (shift, or with the lane, shift-add): the tile loop 714 instructions against 842 at 2+2, 1,103 against 1,291 at 4+2
+#: (local ``nvcc -arch=sm_90a``); 2 (4+2 at head dim 128 only; 2+2 as 1): 4+2's entries 256 bytes apart (16 KB instead
+#: of 8), so one byte permute of the index word and the lane's byte is a read's whole offset: 974 instructions. The
+#: same loads, the same bits. Variants ``lds1`` (1) and ``nolds`` (0)
+SHARED_ADDRESS = 2
 #: the tile loop takes two tiles a turn (``T_PING``), its prefetch alternating between the two register sets instead
 #: of moving the next tile's words into the current set every turn: 645 instructions a tile against 714 at 2+2, 988
-#: against 1,103 at 4+2 (local build), 8 more registers at 2+2. The same order of tiles, the same bits. Off: variant
-#: ``oneturn``
-TILE_PAIRS = True
+#: against 1,103 at 4+2 (local build), 8 more registers at 2+2. The same order of tiles, the same bits. Off: at 128k it
+#: was slower in the same run (2+2 94.0 against 84.8 us, 4+2 134.4 against 122.7; tools/results/attention-h200-lds-*.json);
+#: variant ``pairs``
+TILE_PAIRS = False
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
 #: threadgroups per launch the split plan aims at: BLOCKS_PER_SM per SM of an H200 (132 SMs), one wave
