@@ -5,7 +5,8 @@ one query (a decode step), caches filled with random keys/values to each context
 round by round: ``sdpa`` (mlx fast SDPA over fp16 K/V of the context), ``codes-2+2`` / ``codes-4+2``
 (``RVQKVCache.attend_on_codes``: the split-K kernel, which rotates the queries, and the merge kernel,
 which un-rotates), and with ``--breakdown`` on a GPU the split and merge kernels launched alone. Each
-sample times ``k`` calls issued back to back (one sync), divided by ``k``; medians over rounds (``ms``). A
+sample times ``k`` calls issued back to back (one sync), divided by ``k``; the arms' order rotates from round
+to round; medians over rounds (``ms``). A
 second sample of each arm builds its ``k`` calls first and times their evaluation alone (``eval_ms``: the
 GPU's work and MLX's per-launch cost, without the Python that builds a call; what a decode step pays when its
 host build overlaps the GPU). ``mma-kernel-*`` (with ``--breakdown``): the tensor-core split kernel alone.
@@ -218,8 +219,11 @@ def main(argv=None) -> int:
         evals = {name: [] for name in arms}
         for name, f in arms.items():  # warm up: compile, first-use checks
             mx.eval(f(qs[0]))
+        names = list(arms)
         for r in range(a.rounds):
-            for name, f in arms.items():
+            # the arms' order rotates from round to round: no arm always runs right after the same one
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                f = arms[name]
                 mx.synchronize()
                 t0 = time.perf_counter()
                 outs = [f(qs[(r + i) % len(qs)]) for i in range(a.k)]

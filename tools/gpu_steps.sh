@@ -63,9 +63,9 @@ for s in "$@"; do
         $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py tests/test_attention_gpu.py \
         tests/test_decode_step_gpu.py ;;
     attn-lds) step attn-lds-22 200 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2,4+2 \
-        --rounds 9 --k 10 --variants lds1,nolds,pairs --json "$OUT/attention-lds-22.json"
+        --rounds 15 --k 10 --variants lds1,nolds,pairs --json "$OUT/attention-lds-22.json"
       step attn-lds-42 200 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 4+2,2+2 \
-        --rounds 9 --k 10 --variants lds1,nolds,pairs --json "$OUT/attention-lds-42.json" ;;
+        --rounds 15 --k 10 --variants lds1,nolds,pairs --json "$OUT/attention-lds-42.json" ;;
     gen-lds) step gen-lds 300 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@nolds,packed-4+2,packed-4+2@nolds --steps 8 --rounds 5 \
         --contexts 1024,8192,32768 --json "$OUT/gen-lds.json" --md "$OUT/gen-lds.md" ;;
