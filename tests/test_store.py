@@ -72,6 +72,44 @@ def test_put_then_lookup_is_bit_exact_and_prefixes_share_blocks(model, prompts, 
     assert s2.longest_prefix(a)[0] == 270 and s2.stored_prefix(b) == 245
 
 
+def _pool_sizes(monkeypatch):
+    """The thread counts PrefixStore's reads and writes ask for (its pools still run)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rvqstore.store import prefix_store
+
+    sizes = []
+
+    def pool(max_workers=None, *a, **kw):
+        sizes.append(max_workers)
+        return ThreadPoolExecutor(max_workers, *a, **kw)
+
+    monkeypatch.setattr(prefix_store, "ThreadPoolExecutor", pool)
+    return sizes
+
+
+def test_a_local_store_uses_at_most_one_thread_per_core(model, prompts, tmp_path, monkeypatch):
+    """Reading and checking blocks from files is CPU work: a local store's pools take min(workers, cores,
+    blocks) threads, and its reads give the same caches whatever that is."""
+    (a, ca) = prompts["a"]
+    from rvqstore.store import prefix_store
+
+    monkeypatch.setattr(prefix_store.os, "cpu_count", lambda: 2)
+    sizes = _pool_sizes(monkeypatch)
+    s = PrefixStore(str(tmp_path), model=model, block_size=32, workers=8)
+    s.put(a, ca)  # 9 blocks
+    n, two = s.longest_prefix(a)
+    assert n == 270 and sizes == [2, 2]
+    monkeypatch.setattr(prefix_store.os, "cpu_count", lambda: 64)
+    sizes.clear()
+    n, eight = PrefixStore(str(tmp_path), model=model, block_size=32, workers=8).longest_prefix(a)
+    assert n == 270 and sizes == [8] and same(two, eight, 270)
+    monkeypatch.setattr(prefix_store.os, "cpu_count", lambda: None)  # unknown: one thread
+    sizes.clear()
+    PrefixStore(str(tmp_path), model=model, block_size=32, workers=8).longest_prefix(a)
+    assert sizes == [1]
+
+
 def test_short_shared_runs_are_neither_split_off_nor_read(model, prompts, tmp_path):
     (a, ca), (b, cb) = prompts["a"], prompts["b"]
     s = PrefixStore(str(tmp_path), model=model, block_size=32)  # min_partial 16 > the 8 shared tokens

@@ -66,6 +66,29 @@ def all_good(st):
     return report.checked > 0 and not report.bad and not report.orphans
 
 
+def test_an_object_store_uses_every_worker_whatever_the_cores(endpoint, model, url, monkeypatch):
+    """An object store's requests wait on the network: its pools take ``workers`` threads (up to the
+    blocks) even on a machine with fewer cores, unlike a local directory's (tests/test_store.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rvqstore.store import prefix_store
+
+    sizes = []
+
+    def pool(max_workers=None, *a, **kw):
+        sizes.append(max_workers)
+        return ThreadPoolExecutor(max_workers, *a, **kw)
+
+    monkeypatch.setattr(prefix_store, "ThreadPoolExecutor", pool)
+    monkeypatch.setattr(prefix_store.os, "cpu_count", lambda: 2)
+    toks = prompt([(11, 5 * BLOCK)])
+    st = store(url, endpoint, model, workers=6)
+    st.put(toks, kv_cache(model, toks))
+    sizes.clear()
+    n, _ = store(url, endpoint, model, workers=6).longest_prefix(toks)
+    assert n == 5 * BLOCK and sizes[-1] == 5
+
+
 def test_two_writer_processes_race_on_shared_prefixes(endpoint, model, url, tmp_path):
     shared = [[10, 40]]
     prompts = [shared + [[20 + i, 30]] for i in range(4)] + [shared]
