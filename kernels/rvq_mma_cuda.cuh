@@ -135,16 +135,9 @@ RVQ_FN void rvq_idx42(uint a, uint b, uint c, uint (&gi)[4]) {
   gi[2] = ((hi << 2) & 0x3C3C3C3Cu) | ((c >> 4) & 0x03030303u);
   gi[3] = ((hi >> 2) & 0x3C3C3C3Cu) | ((c >> 6) & 0x03030303u);
 }
-// entry e of this lane's copy of the table (entry e at byte 128 e of it), from the copy's 32-bit shared address `at`:
-// one shift-add before the load. Through the generic pointer the compiler built each address from the index as
-// (e * 32 | lane) * 4 + base, two instructions more per table read (64 of them a tile at 2+2). Volatile with a memory
-// clobber, so the read stays after the barrier that publishes the table
-RVQ_FN uint rvq_lut_at(uint at, uint e) {
-  uint v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at + (e << 7)) : "memory");
-  return v;
-}
-// the table word at byte offset `off` from the table's 32-bit shared address `base` (the offset built whole)
+// the table word at byte offset `off` from a 32-bit shared address `base`. Through the generic pointer the compiler
+// built each table read's address from the index as (e * 32 | lane) * 4 + base, two instructions more per read (64
+// of them a tile at 2+2). Volatile with a memory clobber, so the read stays after the barrier that publishes the table
 RVQ_FN uint rvq_lut_off(uint base, uint off) {
   uint v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(base + off) : "memory");

@@ -97,7 +97,8 @@ def main() -> None:
         Path(a.json).write_text(json.dumps(meta, indent=1) + "\n")
     if a.md:
         lines = [f"# Threads of a local prefix store's reads ({meta['cpus']} CPUs, {meta['machine']})", "",
-                 f"`{meta['command']}` ({meta['date']}); medians of {a.rounds} rounds, s (ratio: 8 threads' time / this)",
+                 f"`{meta['command']}` ({meta['date']}); medians of {a.rounds} rounds, s "
+                 "(ratio: 8 threads' time / this)",
                  "", "| tokens | blocks | " + " | ".join(f"{t} threads" for t in threads) + " |",
                  "|---:|---:|" + "---:|" * len(threads)]
         for r in rows:

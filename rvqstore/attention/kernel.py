@@ -471,7 +471,8 @@ def settings() -> tuple:
     return (KEY_LANES, PAIR_TABLES, STAGE_CODES, VALUE_COORDS, kernel_mma.TENSOR_CORES, kernel_mma.FUSED_MERGE,
             kernel_mma.PROBE, kernel_mma.TARGET_GROUPS, kernel_mma.STRIDED, kernel_mma.SWAPPED,
             kernel_mma.BLOCKS_PER_SM, kernel_mma.QUICK_SPLIT, kernel_mma.LATE_NORMS, kernel_mma.QUICK_MAX,
-            kernel_mma.BYTE_INDEX_42, kernel_mma.SHARED_ADDRESS, kernel_mma.TILE_PAIRS, QUICK_MERGE, device_args.DEVICE_ARGS, len(_disabled))
+            kernel_mma.BYTE_INDEX_42, kernel_mma.SHARED_ADDRESS, kernel_mma.TILE_PAIRS, QUICK_MERGE,
+            device_args.DEVICE_ARGS, len(_disabled))
 
 
 def bind(view: CodesView, queries: mx.array, scale: float) -> tuple | None:

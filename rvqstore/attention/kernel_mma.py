@@ -137,7 +137,7 @@ QUICK_MAX = False
 #: instructions (tools/results/pcsample-h200-late.json); with it the kernel is 328 instructions smaller and 4+2
 #: attention alone 13-14 % faster at 128k, 6-9 % at 32k (attention-h200-idx42-*.json). Off: variant ``noidx42``
 BYTE_INDEX_42 = True
-#: 2+2's and byte-indexed 4+2's table reads by 32-bit shared address (``T_LDS``): 1, ``rvq_lut_at``: one
+#: 2+2's and byte-indexed 4+2's table reads by 32-bit shared address (``T_LDS``): 1, ``rvq_lut_off``: one
 #: multiply-add per read makes this lane's entry's address, where through the generic pointer ptxas built it in three
 #: (shift, or with the lane, shift-add): the tile loop 714 instructions against 842 at 2+2, 1,103 against 1,291 at 4+2
 #: (local ``nvcc -arch=sm_90a``); 2 (4+2 at head dim 128 only; 2+2 as 1): 4+2's entries 256 bytes apart (16 KB instead
@@ -147,8 +147,8 @@ SHARED_ADDRESS = 2
 #: the tile loop takes two tiles a turn (``T_PING``), its prefetch alternating between the two register sets instead
 #: of moving the next tile's words into the current set every turn: 645 instructions a tile against 714 at 2+2, 988
 #: against 1,103 at 4+2 (local build), 8 more registers at 2+2. The same order of tiles, the same bits. Off: at 128k it
-#: was slower in the same run (2+2 94.0 against 84.8 us, 4+2 134.4 against 122.7; tools/results/attention-h200-lds-*.json);
-#: variant ``pairs``
+#: was slower in three same-run comparisons (2+2 94.0 / 126.8 / 102.7 against 84.8 / 84.3 / 91.4 us, 4+2 134.4 / 120.0
+#: / 125.2 against 122.7 / 114.3 / 119.9; tools/results/attention-h200-lds-*.json); variant ``pairs``
 TILE_PAIRS = False
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
