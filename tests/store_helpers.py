@@ -39,6 +39,22 @@ def kv_cache(model, toks):
     return c
 
 
+def record_pool_sizes(monkeypatch) -> list:
+    """The thread counts PrefixStore's pools ask for, appended as they are made (the pools still run)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rvqstore.store import prefix_store
+
+    sizes = []
+
+    def pool(max_workers=None, *a, **kw):
+        sizes.append(max_workers)
+        return ThreadPoolExecutor(max_workers, *a, **kw)
+
+    monkeypatch.setattr(prefix_store, "ThreadPoolExecutor", pool)
+    return sizes
+
+
 def start_moto():
     """A moto S3 server on 127.0.0.1 (a free port) and a bucket; returns (server, endpoint)."""
     import logging

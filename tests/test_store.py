@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from store_helpers import kv_cache, tiny_model, tokens  # noqa: E402
+from store_helpers import kv_cache, record_pool_sizes, tiny_model, tokens  # noqa: E402
 
 import rvqstore  # noqa: E402
 from rvqstore.compat import UnsupportedCacheError  # noqa: E402
@@ -72,22 +72,6 @@ def test_put_then_lookup_is_bit_exact_and_prefixes_share_blocks(model, prompts, 
     assert s2.longest_prefix(a)[0] == 270 and s2.stored_prefix(b) == 245
 
 
-def _pool_sizes(monkeypatch):
-    """The thread counts PrefixStore's reads and writes ask for (its pools still run)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from rvqstore.store import prefix_store
-
-    sizes = []
-
-    def pool(max_workers=None, *a, **kw):
-        sizes.append(max_workers)
-        return ThreadPoolExecutor(max_workers, *a, **kw)
-
-    monkeypatch.setattr(prefix_store, "ThreadPoolExecutor", pool)
-    return sizes
-
-
 def test_a_local_store_uses_at_most_one_thread_per_core(model, prompts, tmp_path, monkeypatch):
     """Reading and checking blocks from files is CPU work: a local store's pools take min(workers, cores,
     blocks) threads, and its reads give the same caches whatever that is."""
@@ -95,7 +79,7 @@ def test_a_local_store_uses_at_most_one_thread_per_core(model, prompts, tmp_path
     from rvqstore.store import prefix_store
 
     monkeypatch.setattr(prefix_store.os, "cpu_count", lambda: 2)
-    sizes = _pool_sizes(monkeypatch)
+    sizes = record_pool_sizes(monkeypatch)
     s = PrefixStore(str(tmp_path), model=model, block_size=32, workers=8)
     s.put(a, ca)  # 9 blocks
     n, two = s.longest_prefix(a)

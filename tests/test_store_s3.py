@@ -17,7 +17,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from store_helpers import S3_OPTS, kv_cache, s3_client, start_moto, tiny_model, tokens  # noqa: E402
+from store_helpers import S3_OPTS, kv_cache, record_pool_sizes, s3_client, start_moto, tiny_model, tokens  # noqa: E402
 from subprocess_env import python_path  # noqa: E402
 
 pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
@@ -69,17 +69,9 @@ def all_good(st):
 def test_an_object_store_uses_every_worker_whatever_the_cores(endpoint, model, url, monkeypatch):
     """An object store's requests wait on the network: its pools take ``workers`` threads (up to the
     blocks) even on a machine with fewer cores, unlike a local directory's (tests/test_store.py)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from rvqstore.store import prefix_store
 
-    sizes = []
-
-    def pool(max_workers=None, *a, **kw):
-        sizes.append(max_workers)
-        return ThreadPoolExecutor(max_workers, *a, **kw)
-
-    monkeypatch.setattr(prefix_store, "ThreadPoolExecutor", pool)
+    sizes = record_pool_sizes(monkeypatch)
     monkeypatch.setattr(prefix_store.os, "cpu_count", lambda: 2)
     toks = prompt([(11, 5 * BLOCK)])
     st = store(url, endpoint, model, workers=6)

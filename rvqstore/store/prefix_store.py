@@ -151,16 +151,21 @@ class PrefixStore:
             self._quantizers[dim] = RVQCodec(dim, self.bits, self.seed, self.residual).to_header()
         return self._quantizers[dim]
 
+    @property
+    def _local(self) -> bool:
+        """Whether the backend is a local directory (files read in place)."""
+        return self.backend.local_path("x") is not None
+
     def _threads(self, items: int) -> int:
         """Threads for ``items`` block reads or writes: ``workers``, capped at the CPU cores for a local
         directory (its work is CPU-bound) and at the items."""
         n = self.workers
-        if self.backend.local_path("x") is not None:
+        if self._local:
             n = min(n, os.cpu_count() or 1)
         return max(1, min(n, items))
 
     def _exists_many(self, paths: list[str]) -> list[bool]:
-        if len(paths) <= 1 or self.backend.local_path("x") is not None:
+        if len(paths) <= 1 or self._local:
             return [self.backend.exists(p) for p in paths]
         with ThreadPoolExecutor(self.workers) as ex:
             return list(ex.map(self.backend.exists, paths))
