@@ -268,6 +268,11 @@ class Resident(DecodedCopy):
             return False
         n, t = k.n, keys.shape[2]
         out = None
+        if t == 1 and n and cache_append.INPLACE and k._scales is not None and n >= k._hw:
+            # full buffers: grow them now (as the staged block's write would 16 steps later), so this step
+            # and the next ones write in place and bind (rvqstore.decode_step) instead of staging codes
+            k._grow(k.lead, n + t)
+            v._grow(v.lead, v.n + t)
         if n and cache_append.INPLACE and k.inplace_ok(t):
             kb, count = k.live()  # staged steps written first: in place goes after them
             out = cache_append.append_inplace(k.codec, keys, values, kb, v.live()[0], n, count, True)

@@ -217,6 +217,25 @@ def test_bound_resident_steps_hand_mlx_what_the_regular_paths_hand_it(stand_in, 
     assert not any("unpack" in n for n in launches), set(launches)
 
 
+def test_full_resident_buffers_grow_and_write_in_place_at_once(stand_in, monkeypatch):
+    """A resident cache whose code buffers are full (a loaded file; a prefill to a multiple of 256 tokens) grows
+    them at its next step and writes in place from then on, binding the step after, as a packed cache does
+    (it used to stage 16 steps' codes first: 16 unbound steps per 256 tokens)."""
+    monkeypatch.setattr(decode_step, "ENABLED", True)
+    cache = _cache(_held(256), "resident")
+    assert cache._keys._scales.shape[-1] == 256  # full
+    served = []
+    for i, (_, k, v) in enumerate(_steps(6)):
+        before = decode_step.stats["updates"]
+        cache.update_and_fetch(k, v)
+        served.append(decode_step.stats["updates"] > before)
+        ks, vs = cache._keys, cache._values
+        assert not ks._staged and not vs._staged, f"step {i} staged its codes"
+        assert ks._count is not None and ks._n == vs._n == 257 + i  # written in place
+    assert ks._scales.shape[-1] == 512
+    assert served == [False] + [True] * 5, served
+
+
 def test_changed_settings_unbind_attention(stand_in, monkeypatch):
     """A switch flipped between steps (here the tensor cores off) takes the regular path, which binds anew."""
     monkeypatch.setattr(decode_step, "ENABLED", True)

@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: lds-tests attn-lds gen-lds gen-128k-lds resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: append-bits append-tests probe-resident gen-resident-fix trace-resident append-resident lds-tests attn-lds gen-lds gen-128k-lds resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -126,6 +126,24 @@ for s in "$@"; do
     gen-quick) step gen-quick 300 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@slowboth,packed-4+2,packed-4+2@slowboth --steps 8 --rounds 7 \
         --contexts 1024,8192,32768 --json "$OUT/gen-quick.json" --md "$OUT/gen-quick.md" ;;
+    append-bits) step append-bits-old 200 env -C .gpu/oldtree PYTHONPATH=/root/site $py ../../tools/dump_append.py \
+            "$OUT/append-old.npz"
+        step append-bits-new 200 $py tools/dump_append.py "$OUT/append-new.npz"
+        step append-bits 60 $py tools/dump_append.py --compare "$OUT/append-old.npz" "$OUT/append-new.npz"
+        rm -f "$OUT/append-old.npz" "$OUT/append-new.npz" ;;
+    append-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-append.txt step append-tests 300 \
+        $py -m pytest -q -rfE -p no:cacheprovider tests/test_cache_append_gpu.py tests/test_cache_inplace_gpu.py \
+        tests/test_decode_step_gpu.py tests/test_decode_step.py ;;
+    probe-resident) step probe-resident 200 $py tools/probe_resident_eval.py --contexts 1024,8192,32768 \
+        --json "$OUT/probe-resident.json" ;;
+    gen-resident-fix) step gen-resident-fix 420 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-4+2,resident-2+2,resident-4+2 --steps 8 --rounds 5 --contexts 1024,8192,32768 \
+        --json "$OUT/gen-resident-fix.json" --md "$OUT/gen-resident-fix.md" ;;
+    trace-resident) RVQSTORE_CUPTI=$PWD/.gpu/e/libcupti.so.13 step trace-resident 300 $py tools/trace_step.py \
+        --arms kv,resident-2+2,packed-2+2 --contexts 1024,32768 --steps 6 --rounds 3 \
+        --json "$OUT/trace-resident.json" --md "$OUT/trace-resident.md" ;;
+    append-resident) step append-resident 200 $py tools/bench_append.py --contexts 1024,8192,32768 --rounds 21 \
+        --arms kv,packed-2+2,resident-2+2,resident-4+2 --json "$OUT/append-resident.json" ;;
     trace) RVQSTORE_CUPTI=$PWD/.gpu/e/libcupti.so.13 step trace 300 $py tools/trace_step.py \
         --arms kv,packed-2+2,packed-4+2,resident-2+2 --contexts 1024,32768 --steps 6 --rounds 3 \
         --json "$OUT/trace-step.json" --md "$OUT/trace-step.md" ;;
