@@ -54,35 +54,6 @@ RVQ_FN uint rvq_quantize(float y, TT tab) {
   return rvq_count_below<B1, 0, SEARCH>(y, tab);
 }
 
-// The Sylvester-Hadamard transform (unscaled, mx.hadamard_transform's order: strides 1, 2, 4, ...) of D values held
-// one per thread of a threadgroup of D threads (v: thread i's; D a power of two, a multiple of 32 or at most
-// 32): strides below 32 by shuffles inside a warp, the rest through xs (D floats of threadgroup memory). Each
-// stage is the same addition or subtraction of the same two floats as the all-shared version, so the same
-// bits, with 2 barriers per stride of 32 and more instead of 2 per stride. Every thread of the threadgroup
-// calls it (shuffles and barriers); needs RVQ_SHFL_XOR and RVQ_BARRIER from the prelude.
-template <int D, typename TX>
-RVQ_FN float rvq_hadamard_lanes(float v, uint i, TX xs) {
-  RVQ_UNROLL
-  for (uint h = 1u; h < 32u && h < uint(D); h <<= 1) {
-    const float o = RVQ_SHFL_XOR(v, h);
-    v = ((i & h) == 0u) ? v + o : o - v;
-  }
-  if (D > 32) {
-    RVQ_BARRIER();  // earlier readers of xs are done with it
-    xs[i] = v;
-    RVQ_BARRIER();
-    RVQ_UNROLL
-    for (uint h = 32u; h < uint(D); h <<= 1) {
-      const float nx = ((i & h) == 0u) ? xs[i] + xs[i + h] : xs[i - h] - xs[i];
-      RVQ_BARRIER();
-      xs[i] = nx;
-      RVQ_BARRIER();
-    }
-    v = xs[i];
-  }
-  return v;
-}
-
 // Encode one chunk: coordinates [yoff, yoff + clen) of y -> words o1.. of codes1, o2.. of codes2.
 // FULL: clen == C (known at compile time); otherwise clen < C, a multiple of VL.
 template <int C, int B1, int B2, int MODE, int SEARCH, int VL, bool FULL,

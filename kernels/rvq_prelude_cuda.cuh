@@ -75,8 +75,6 @@ struct rvq_vec<1> {
 #define RVQ_BF16(u) __uint_as_float(uint(u) << 16)
 
 // ---- fused append (rvq_append.inc): IEEE-rounded sqrt and division, as MLX's float32 ops ----
-// the grid's threadgroups along x (the append is written for CUDA only)
-#define RVQ_GRID_BLOCKS() (gridDim.x)
 #define RVQ_SQRT(x) __fsqrt_rn(x)
 #define RVQ_DIV(a, b) __fdiv_rn((a), (b))
 #define RVQ_NAN __int_as_float(0x7fc00000)

@@ -126,6 +126,7 @@ for s in "$@"; do
     gen-quick) step gen-quick 300 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@slowboth,packed-4+2,packed-4+2@slowboth --steps 8 --rounds 7 \
         --contexts 1024,8192,32768 --json "$OUT/gen-quick.json" --md "$OUT/gen-quick.md" ;;
+    # append-bits: .gpu/oldtree holds the reference checkout (git archive REV rvqstore kernels pyproject.toml | tar -x -C .gpu/oldtree)
     append-bits) step append-bits-old 200 env -C .gpu/oldtree PYTHONPATH=/root/site $py ../../tools/dump_append.py \
             "$OUT/append-old.npz"
         step append-bits-new 200 $py tools/dump_append.py "$OUT/append-new.npz"
