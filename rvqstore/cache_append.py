@@ -264,6 +264,13 @@ def _served(codec, keys: mx.array, values: mx.array) -> _Setup | None:
     return _setup(codec)
 
 
+def serves_inplace(codec, keys: mx.array, values: mx.array) -> bool:
+    """Whether :func:`append_inplace` can write this step (CUDA, the kernel takes the codec, in place on, its
+    configuration not latched off); a caller may grow full buffers first so that it does."""
+    s = _served(codec, keys, values) if INPLACE else None
+    return s is not None and s.config(keys.dtype, True, "inplace") not in _disabled
+
+
 _DTYPES = [mx.bfloat16, mx.uint32, mx.uint32, mx.bfloat16, mx.uint32, mx.uint32]
 
 def launch(codec, keys: mx.array, values: mx.array, resident: bool = False) -> tuple:

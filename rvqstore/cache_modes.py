@@ -268,7 +268,7 @@ class Resident(DecodedCopy):
             return False
         n, t = k.n, keys.shape[2]
         out = None
-        if t == 1 and n and cache_append.INPLACE and k._scales is not None and n >= k._hw:
+        if t == 1 and n and k._scales is not None and n >= k._hw and cache_append.serves_inplace(k.codec, keys, values):
             # full buffers: grow them now (as the staged block's write would 16 steps later), so this step
             # and the next ones write in place and bind (rvqstore.decode_step) instead of staging codes
             k._grow(k.lead, n + t)
