@@ -1,7 +1,7 @@
 """The fused append's outputs for fixed inputs, written to an .npz: run from two checkouts, compare bit for bit.
 
-For kernel changes meant to keep every bit (kernels/rvq_append.inc): each head dim the kernel takes, 2+2 and 4+2,
-plain / resident / in place (plain and resident), float16 and bfloat16 vectors with ordinary rows, rows of zeros,
+For kernel changes meant to keep every bit (kernels/rvq_append.inc): each head dim the kernel takes, 1+1, 2+2, 4+2
+and 4+4, plain / resident / copy / in place (plain and resident), float16 and bfloat16 vectors with ordinary rows, rows of zeros,
 huge rows (past the norm's limit) and a NaN.
 
     python tools/dump_append.py OUT.npz            # on a CUDA machine, from each checkout
@@ -18,6 +18,18 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+
+def _buffers(codec, cap: int) -> tuple:
+    """Zeroed (norms, codes1, codes2) buffers of ``cap`` tokens for 8 heads, each with memory of its own (made from
+    numpy: an ``mx.zeros`` may be a broadcast of one element, which an in-place write must not reach)."""
+    import mlx.core as mx
+
+    norms = mx.array(np.zeros((1, 8, cap), np.uint16)).view(mx.bfloat16)
+    out = (norms, mx.array(np.zeros((1, 8, cap, codec.words1), np.uint32)),
+           mx.array(np.zeros((1, 8, cap, codec.words2), np.uint32)))
+    mx.eval(out)
+    return out
 
 
 def dump(path: str) -> None:
@@ -42,14 +54,7 @@ def dump(path: str) -> None:
                     mx.eval(res)
                     for i, a in enumerate(res):
                         out[f"{name}_plain{int(resident)}_{i}"] = np.array(a.view(mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a)
-                    cap = 8
-                    bufs = [mx.zeros((1, 8, cap), mx.bfloat16), mx.zeros((1, 8, cap, codec.words1), mx.uint32),
-                            mx.zeros((1, 8, cap, codec.words2), mx.uint32)]
-                    kb = tuple(mx.array(np.array(b.view(mx.uint16) if b.dtype == mx.bfloat16 else b)) for b in bufs)
-                    kb = (kb[0].view(mx.bfloat16), kb[1], kb[2])
-                    vb = tuple(mx.array(np.array(b.view(mx.uint16) if b.dtype == mx.bfloat16 else b)) for b in bufs)
-                    vb = (vb[0].view(mx.bfloat16), vb[1], vb[2])
-                    mx.eval(kb, vb)
+                    kb, vb = _buffers(codec, 8), _buffers(codec, 8)  # each its own memory: the kernel writes them
                     if not resident:  # the copy role too: old buffers' first 2 tokens, then the new ones
                         c = cache_append.launch_copy(codec, k, v, kb, vb, 2, 16)
                         mx.eval(c)

@@ -1,8 +1,8 @@
 """Where a resident cache's step update costs the host: MLX's evaluation of the append launch and the copy's writes.
 
-tools/bench_append.py puts resident caches' updates at 1.3-2.4 ms over KVCache's per 32 layers, packed ones at
-0.2-0.3 ms, while the device's own record (tools/trace_step.py) gives the resident append 4.5 us per layer. This
-probe splits an update's evaluation into the host's part (``mx.async_eval``: MLX encodes the graph) and the wait
+tools/bench_append.py put resident caches' updates at 1.3-2.4 ms over KVCache's per 32 layers (before 2026-12-04's
+fix: a full cache staged its first 16 steps' codes, unbound), packed ones at 0.2-0.3 ms, while the device's own record
+(tools/trace_step.py) gives the resident append 4.5 us per layer. This probe splits an update's evaluation into the host's part (``mx.async_eval``: MLX encodes the graph) and the wait
 for the device, for what is handed out (``out``) or only the append's count (``count``), interleaved by round.
 
     python tools/probe_resident_eval.py [--contexts 1024,32768] [--json out.json]
