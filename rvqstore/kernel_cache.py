@@ -389,7 +389,7 @@ class CudaKernel:
         self.source = source
         self.header = header
         self.ensure_row_contiguous = ensure_row_contiguous
-        self._jit = None
+        self._jit: dict = {}  # dynamic shared memory bytes -> MLX's JIT kernel (mx.fast.cuda_kernel fixes it)
         # (template, dtypes) -> (symbol, binary, key, what a launch passes: the binary or its reference), or
         # None (use the JIT kernel)
         self._entries: dict = {}
@@ -399,12 +399,13 @@ class CudaKernel:
                                  for n in self.input_names)
         self.digest = hashlib.sha256((header + "\0" + source + "\0" + launch_bounds).encode()).hexdigest()[:16]
 
-    def jit(self):
-        if self._jit is None:
-            self._jit = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names,
-                                            output_names=self.output_names, source=self.source,
-                                            header=self.header, ensure_row_contiguous=self.ensure_row_contiguous)
-        return self._jit
+    def jit(self, shared_memory: int = 0):
+        k = self._jit.get(shared_memory)
+        if k is None:
+            k = self._jit[shared_memory] = mx.fast.cuda_kernel(
+                name=self.name, input_names=self.input_names, output_names=self.output_names, source=self.source,
+                header=self.header, ensure_row_contiguous=self.ensure_row_contiguous, shared_memory=shared_memory)
+        return k
 
     def source_for(self, template: list, in_dtypes: tuple, out_dtypes: tuple) -> tuple[str, str]:
         """``(symbol, translation unit)`` of one configuration."""
@@ -435,7 +436,9 @@ class CudaKernel:
         return entry
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
-                 init_value=None, verbose=False, stream=None):
+                 init_value=None, verbose=False, stream=None, shared_memory=0):
+        """As ``mx.fast.cuda_kernel``'s callable; ``shared_memory``: the launch's dynamic shared memory in bytes
+        (for a body that declares ``extern __shared__``; MLX raises the kernel's limit above 48,000)."""
         template = template or []
         in_dtypes = tuple([a.dtype for a in inputs])
         out_dtypes = tuple(output_dtypes)
@@ -448,7 +451,8 @@ class CudaKernel:
                 return mx.fast.precompiled_cuda_kernel(
                     name=entry[0], compiled_source=source, inputs=inputs, output_shapes=output_shapes,
                     output_dtypes=output_dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
-                    init_value=init_value, ensure_row_contiguous=self.ensure_row_contiguous, stream=stream)
+                    shared_memory=shared_memory, init_value=init_value,
+                    ensure_row_contiguous=self.ensure_row_contiguous, stream=stream)
             try:
                 if key in self._checked:
                     out = launch(_source(entry))
@@ -466,9 +470,9 @@ class CudaKernel:
                 with _lock:
                     self._entries[key] = None
         stats["jit_launches"] += 1
-        return self.jit()(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes, grid=grid,
-                          threadgroup=threadgroup, template=template, init_value=init_value, verbose=verbose,
-                          stream=stream)
+        return self.jit(shared_memory)(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+                                       grid=grid, threadgroup=threadgroup, template=template, init_value=init_value,
+                                       verbose=verbose, stream=stream)
 
     def _first_launch(self, key, entry, launch):
         """Launch and evaluate a configuration's first call: by reference (:mod:`rvqstore.kernel_ref`) where
@@ -507,9 +511,9 @@ class CudaKernel:
         """How many configurations launch from cached binaries (the rest go through MLX's JIT)."""
         return sum(e is not None for e in self._entries.values())
 
-    def prepare(self, template: list, in_dtypes: tuple, out_dtypes: list) -> "PreparedLaunch":
-        """This kernel with its template and dtypes fixed (:class:`PreparedLaunch`)."""
-        return PreparedLaunch(self, template, in_dtypes, out_dtypes)
+    def prepare(self, template: list, in_dtypes: tuple, out_dtypes: list, shared_memory: int = 0) -> "PreparedLaunch":
+        """This kernel with its template, dtypes and dynamic shared memory fixed (:class:`PreparedLaunch`)."""
+        return PreparedLaunch(self, template, in_dtypes, out_dtypes, shared_memory)
 
 
 class PreparedLaunch:
@@ -519,10 +523,11 @@ class PreparedLaunch:
     ``precompiled_cuda_kernel``, without the template and dtype keys ``__call__`` builds and looks up
     per call (~4 us of host time per launch). The caller passes inputs of exactly ``in_dtypes``."""
 
-    __slots__ = ("kernel", "template", "out_dtypes", "key", "_entry")
+    __slots__ = ("kernel", "template", "out_dtypes", "key", "shared_memory", "_entry")
 
-    def __init__(self, kernel: CudaKernel, template: list, in_dtypes: tuple, out_dtypes: list):
+    def __init__(self, kernel: CudaKernel, template: list, in_dtypes: tuple, out_dtypes: list, shared_memory: int = 0):
         self.kernel = kernel
+        self.shared_memory = shared_memory
         self.template = list(template)
         self.out_dtypes = list(out_dtypes)
         self.key = (tuple(self.template), tuple(in_dtypes), tuple(self.out_dtypes))
@@ -534,7 +539,8 @@ class PreparedLaunch:
             try:
                 out = mx.fast.precompiled_cuda_kernel(
                     name=entry[0], compiled_source=_source(entry), inputs=inputs, output_shapes=output_shapes,
-                    output_dtypes=self.out_dtypes, scalars=[], grid=grid, threadgroup=threadgroup, init_value=None,
+                    output_dtypes=self.out_dtypes, scalars=[], grid=grid, threadgroup=threadgroup,
+                    shared_memory=self.shared_memory, init_value=None,
                     ensure_row_contiguous=self.kernel.ensure_row_contiguous, stream=None)
             except Exception:  # the kernel's own path decides (MLX's JIT instead, logged)
                 self._entry = None
@@ -544,7 +550,8 @@ class PreparedLaunch:
                     log_.append(entry[2])
                 return out
         out = self.kernel(inputs=inputs, template=self.template, output_shapes=output_shapes,
-                          output_dtypes=self.out_dtypes, grid=grid, threadgroup=threadgroup)
+                          output_dtypes=self.out_dtypes, grid=grid, threadgroup=threadgroup,
+                          shared_memory=self.shared_memory)
         if self.key in self.kernel._checked:  # its precompiled launch ran: from now on, directly
             self._entry = self.kernel._entries.get(self.key)
         return out

@@ -193,7 +193,7 @@ def test_the_quick_kernels_are_chosen_by_setting_and_dialect(monkeypatch):
 
 #: the settings of the split kernel that must not change its bits, each setting's values (the last: the first order)
 _ARMS = {"QUICK_MAX": (True, False), "LATE_NORMS": (True, False), "BYTE_INDEX_42": (True, False),
-         "SHARED_ADDRESS": (2, 1, 0), "TILE_PAIRS": (True, False)}
+         "SHARED_ADDRESS": (3, 2, 1, 0), "TILE_PAIRS": (True, False)}
 
 
 def test_the_maxima_and_norms_orders_are_chosen_by_setting(monkeypatch):
@@ -209,6 +209,8 @@ def test_the_maxima_and_norms_orders_are_chosen_by_setting(monkeypatch):
             monkeypatch.setattr(kernel_mma, name, on)
             plans[on] = kernel_mma._plan(view, 256, 2, 4, 1, False, 0.1)
             assert dict(plans[on].template)[param] == int(on)
+            # only 2+2's 256-byte table (T_LDS 3) asks for dynamic shared memory
+            assert plans[on].smem == (65536 if (name, on) == ("SHARED_ADDRESS", 3) else 0)
         assert len({id(p) for p in plans.values()}) == len(_ARMS[name])
 
 
@@ -338,7 +340,7 @@ def test_gpu_fused_merge_many_calls_at_once():
 def test_gpu_quick_maxima_and_late_norms_keep_every_bit(case, swapped, monkeypatch):
     """The split kernel skipping the maxima's shuffles where no score passes its row's running maximum
     (kernel_mma.QUICK_MAX), converting the norms late (LATE_NORMS) and building 4+2's table indices by bytes
-    (BYTE_INDEX_42), reading the table by shared address (SHARED_ADDRESS 2 and 1) and taking two tiles a turn
+    (BYTE_INDEX_42), reading the table by shared address (SHARED_ADDRESS 3, 2 and 1) and taking two tiles a turn
     (TILE_PAIRS) computes what the first order did: the partials o, m and l bit for bit, each setting against its
     first order's arm."""
     bits, residual, d, hkv, g, L, n, b, window = case

@@ -134,7 +134,13 @@ class _Launches:
             return out
 
         monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
-        monkeypatch.setattr(kc.CudaKernel, "jit", lambda k: (lambda **kw: self.jit.append(kw) or out))
+        self.jit_shared = []  # the dynamic shared memory each JIT kernel was made with
+
+        def jit(k, shared_memory=0):
+            self.jit_shared.append(shared_memory)
+            return lambda **kw: self.jit.append(kw) or out
+
+        monkeypatch.setattr(kc.CudaKernel, "jit", jit)
 
 
 def _call(k, dtype=mx.float32, template=(("T", 1),)):
@@ -190,6 +196,24 @@ def test_a_prepared_launch_that_fails_goes_back_to_the_kernel_s_own_path(cache, 
     assert out is not None and len(failing.pre) == 2 and len(failing.jit) == 1 and run._entry is None
     run(*args)
     assert len(failing.pre) == 2 and len(failing.jit) == 2 and len(calls.pre) == 1
+
+
+def test_a_launch_s_dynamic_shared_memory_reaches_every_path(cache, monkeypatch):
+    """A prepared launch's ``shared_memory`` (the tensor-core kernel's 64 KB table, kernel_mma.dynamic_shared_bytes)
+    goes with its precompiled launches, the first (through the kernel) and the direct ones, and to the JIT kernel
+    where the binary cannot serve; other launches ask for none."""
+    calls = _Launches(monkeypatch)
+    monkeypatch.setattr(kc.mx, "eval", lambda *a: None)
+    run = _kernel().prepare([("T", 1)], (mx.float32,), [mx.float32], shared_memory=65536)
+    for _ in range(3):
+        run([mx.array([1.0])], [(1,)], (32, 1, 1), (32, 1, 1))
+    assert len(calls.pre) == 3 and all(kw["shared_memory"] == 65536 for kw in calls.pre)
+    _call(_kernel(), template=(("T", 2),))
+    assert calls.pre[-1]["shared_memory"] == 0
+    monkeypatch.setenv(kc.ENV, "off")
+    off = _kernel().prepare([("T", 3)], (mx.float32,), [mx.float32], shared_memory=65536)
+    off([mx.array([1.0])], [(1,)], (32, 1, 1), (32, 1, 1))
+    assert calls.jit_shared[-1] == 65536 and len(calls.jit) == 1
 
 
 def test_cache_off_prepared_launches_use_the_jit_kernel(cache, monkeypatch):

@@ -190,7 +190,7 @@ class _MLX:
 
         monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
         monkeypatch.setattr(kc.mx, "eval", evaluate)
-        monkeypatch.setattr(kc.CudaKernel, "jit", lambda k: (lambda **kw: setattr(self, "jit", self.jit + 1) or [0]))
+        monkeypatch.setattr(kc.CudaKernel, "jit", lambda k, shared_memory=0: (lambda **kw: setattr(self, "jit", self.jit + 1) or [0]))
 
 
 def _kernel(name="test_k"):

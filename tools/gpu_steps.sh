@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: append-bits append-tests probe-resident gen-resident-fix trace-resident append-resident lds-tests attn-lds gen-lds gen-128k-lds resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: lds3-tests attn-lds3 gen-128k-lds3 append-bits append-tests probe-resident gen-resident-fix trace-resident append-resident lds-tests attn-lds gen-lds gen-128k-lds resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -59,6 +59,14 @@ for s in "$@"; do
     gen-pinned) step gen-pinned 300 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-4+2 --steps 4 --rounds 3 --contexts 1024,8192,32768 \
         --resume --resume-rounds 3 --tmp "$tmp" --json "$OUT/gen-pinned.json" --md "$OUT/gen-pinned.md" ;;
+    lds3-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-lds3.txt step lds3-tests 200 \
+        $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py tests/test_kernel_cache.py \
+        -k "keep_every_bit or chosen_by_setting or shared_memory or kernel_cache" ;;
+    attn-lds3) step attn-lds3 150 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 2+2 \
+        --rounds 15 --k 10 --variants lds3 --json "$OUT/attention-lds3.json" ;;
+    gen-128k-lds3) step gen-128k-lds3 150 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@lds3 --steps 6 --rounds 3 --contexts 131072 \
+        --json "$OUT/gen-128k-lds3.json" --md "$OUT/gen-128k-lds3.md" ;;
     lds-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-lds.txt step lds-tests 300 \
         $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py tests/test_attention_gpu.py \
         tests/test_decode_step_gpu.py ;;

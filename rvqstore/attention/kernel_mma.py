@@ -142,7 +142,9 @@ BYTE_INDEX_42 = True
 #: (shift, or with the lane, shift-add): the tile loop 714 instructions against 842 at 2+2, 1,103 against 1,291 at 4+2
 #: (local ``nvcc -arch=sm_90a``); 2 (4+2 at head dim 128 only; 2+2 as 1): 4+2's entries 256 bytes apart (16 KB instead
 #: of 8), so one byte permute of the index word and the lane's byte is a read's whole offset: 974 instructions. The
-#: same loads, the same bits. Variants ``lds1`` (1) and ``nolds`` (0)
+#: same loads, the same bits. Variants ``lds1`` (1) and ``nolds`` (0). 3 (2+2 only; other bits as 2): 2+2's entries
+#: 256 bytes apart as well, so a read's offset is one byte permute (the tile loop 653 instructions against 714, local
+#: build): 64 KB of table, in dynamic shared memory (:func:`dynamic_shared_bytes`); variant ``lds3``
 SHARED_ADDRESS = 2
 #: the tile loop takes two tiles a turn (``T_PING``), its prefetch alternating between the two register sets instead
 #: of moving the next tile's words into the current set every turn: 645 instructions a tile against 714 at 2+2, 988
@@ -157,7 +159,19 @@ TARGET_GROUPS = 396
 
 
 class _Launch:
-    __slots__ = ("params", "sg", "qf", "lut", "two", "template", "grid", "shapes", "run", "fused")
+    __slots__ = ("params", "sg", "qf", "lut", "two", "template", "smem", "grid", "shapes", "run", "fused")
+
+
+def table_reads(bits1: int, bits2: int) -> int:
+    """The ``T_LDS`` a configuration of these bits takes from :data:`SHARED_ADDRESS` (3 is 2+2's alone)."""
+    return SHARED_ADDRESS if SHARED_ADDRESS < 3 or (bits1, bits2) == (2, 2) else 2
+
+
+def dynamic_shared_bytes(template: list) -> int:
+    """The dynamic shared memory a launch with ``template`` needs: 2+2's table at 256 bytes an entry for ``T_LDS``
+    3 (256 entries), else none (the table is a static array)."""
+    t = dict(template)
+    return 256 * 256 if t["T_LDS"] == 3 and (t["T_B1"], t["T_B2"]) == (2, 2) else 0
 
 
 _launches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key codec -> {config: _Launch}
@@ -194,8 +208,9 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_D", d), ("T_R", rows), ("T_STRIDE", int(STRIDED)),
                   ("T_SWAP", int(SWAPPED)), ("T_QUICK", int(QUICK_SPLIT)),
                   ("T_LATEN", int(LATE_NORMS)), ("T_QMAX", int(QUICK_MAX)),
-                  ("T_I42", int(BYTE_INDEX_42)), ("T_LDS", int(SHARED_ADDRESS)),
+                  ("T_I42", int(BYTE_INDEX_42)), ("T_LDS", table_reads(kc.bits1, kc.bits2)),
                   ("T_PING", int(TILE_PAIRS)), ("T_PROBE", PROBE)]
+    p.smem = dynamic_shared_bytes(p.template)
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
     p.run = None  # the prepared launch, made at the first call (when the inputs' dtypes are known)
@@ -216,7 +231,7 @@ def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: fl
     inputs = [q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut,
               view.count_array(), p.params]
     if p.run is None:
-        p.run = prepared(_kernel(), p.template, inputs, _F32_2)
+        p.run = prepared(_kernel(), p.template, inputs, _F32_2, p.smem)
     out = p.run(inputs, p.shapes, p.grid, _THREADGROUP)
     return out[0], out[1]
 
@@ -288,7 +303,7 @@ def launch_fused(view: CodesView, q: mx.array, n_queries: int, causal: bool, sca
               view.count_array(), p.params, vsg, _sem_slot(bh)]
     f = p.fused
     if f is None:
-        f = p.fused = (prepared(_kernel(True), p.template + [("OutT", q.dtype)], inputs, _F32_2 + [q.dtype]),
+        f = p.fused = (prepared(_kernel(True), p.template + [("OutT", q.dtype)], inputs, _F32_2 + [q.dtype], p.smem),
                        p.shapes + [(b, h, l, d)], _F32_2 + [q.dtype])
     return f[0](inputs, f[1], p.grid, _THREADGROUP)[2]
 

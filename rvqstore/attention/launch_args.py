@@ -73,8 +73,9 @@ def split_plan(n: int, bh: int, target: int | None = None) -> tuple[int, int]:
     return chunk, max(1, -(-n // chunk))
 
 
-def prepared(kernel, template: list, inputs: list, out_dtypes: list):
+def prepared(kernel, template: list, inputs: list, out_dtypes: list, shared_memory: int = 0):
     """``kernel`` with its template and dtypes fixed (:meth:`rvqstore.kernel_cache.CudaKernel.prepare`: after its
-    first launch a call goes straight to the precompiled binary), or None for MLX's own callables (Metal)."""
+    first launch a call goes straight to the precompiled binary), or None for MLX's own callables (Metal).
+    ``shared_memory``: the launch's dynamic shared memory in bytes."""
     prepare = getattr(kernel, "prepare", None)
-    return None if prepare is None else prepare(template, tuple(a.dtype for a in inputs), out_dtypes)
+    return None if prepare is None else prepare(template, tuple(a.dtype for a in inputs), out_dtypes, shared_memory)
