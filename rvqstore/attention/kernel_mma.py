@@ -168,10 +168,9 @@ def table_reads(bits1: int, bits2: int) -> int:
 
 
 def dynamic_shared_bytes(template: list) -> int:
-    """The dynamic shared memory a launch with ``template`` needs: 2+2's table at 256 bytes an entry for ``T_LDS``
-    3 (256 entries), else none (the table is a static array)."""
-    t = dict(template)
-    return 256 * 256 if t["T_LDS"] == 3 and (t["T_B1"], t["T_B2"]) == (2, 2) else 0
+    """The dynamic shared memory a launch with ``template`` needs: for ``T_LDS`` 3 (2+2 alone, :func:`table_reads`)
+    the table's 256 entries at 256 bytes each, else none (the table is a static array)."""
+    return 256 * 256 if dict(template)["T_LDS"] == 3 else 0
 
 
 _launches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key codec -> {config: _Launch}
