@@ -15,7 +15,8 @@ One kernel body serves two dialects: ``mx.fast.metal_kernel`` (Apple GPUs) and
   :mod:`rvqstore.attention.kernel`); ``rvq_attend_mma.inc`` (with ``rvq_mma_cuda.cuh``): the same split
   kernel on tensor cores, CUDA only (:mod:`rvqstore.attention.kernel_mma`).
 * ``rvq_append.inc``: a cache step's new keys and values -> norms and packed codes in one launch
-  (:mod:`rvqstore.cache_append`; CUDA); ``rvq_unpack.inc``: a packed cache's decoded keys and
+  (:mod:`rvqstore.cache_append`; CUDA), its encode of one vector in ``rvq_encode_row_cuda.cuh`` (shared with the
+  split kernel that folds the append in, :mod:`rvqstore.attention.fold`); ``rvq_unpack.inc``: a packed cache's decoded keys and
   values in one launch (:mod:`rvqstore.cache_fetch`; CUDA).
 
 :func:`load_source` reads one of them from the installed package.
@@ -40,6 +41,7 @@ SOURCES = (
     "rvq_attend_merge.inc",
     "rvq_mma_cuda.cuh",
     "rvq_attend_mma.inc",
+    "rvq_encode_row_cuda.cuh",
     "rvq_append.inc",
     "rvq_unpack.inc",
     "rvq_upload.inc",

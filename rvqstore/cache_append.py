@@ -79,7 +79,7 @@ def _kernel(resident: bool, copy: bool = False, inplace: bool = False):
         header = (prelude + ("\n#define RVQ_APPEND_RESIDENT 1" if resident else "")
                   + ("\n#define RVQ_APPEND_COPY 1" if copy else "")
                   + ("\n#define RVQ_APPEND_INPLACE 1" + _WRITABLE if inplace else "")
-                  + "\n" + fused.load_source("rvq_common.h"))
+                  + "\n" + fused.load_source("rvq_common.h") + fused.load_source("rvq_encode_row_cuda.cuh"))
         body = fused.load_source("rvq_attend_body_prelude_cuda.inc") + fused.load_source("rvq_append.inc")
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
         variant = ("_res" if resident else "") + ("_copy" if copy else "") + ("_inplace" if inplace else "")
