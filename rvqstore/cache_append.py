@@ -273,6 +273,19 @@ def serves_inplace(codec, keys: mx.array, values: mx.array) -> bool:
 
 _DTYPES = [mx.bfloat16, mx.uint32, mx.uint32, mx.bfloat16, mx.uint32, mx.uint32]
 
+
+def encode_args(codec, dtype) -> tuple | None:
+    """What another kernel that encodes a step's tokens as this one does needs (the split kernel with the append
+    folded in, :mod:`rvqstore.attention.fold`): ``([signs, encode table, limit], [(name, value) of T_MODE, T_SEARCH,
+    T_TABN])`` for keys of ``dtype``, or None where the kernel does not take ``codec`` or its in-place launch is off
+    (``RVQSTORE_INPLACE=0``, or latched off for this dtype)."""
+    s = _setup(codec) if INPLACE else None
+    if s is None or s.config(dtype, False, "inplace") in _disabled:
+        return None
+    t = dict(s.template)
+    return [s.signs, s.tab, s.limit(codec, dtype)], [(k, t[k]) for k in ("T_MODE", "T_SEARCH", "T_TABN")]
+
+
 def launch(codec, keys: mx.array, values: mx.array, resident: bool = False) -> tuple:
     """The kernel's ``(ks, k1, k2, vs, v1, v2)`` for ``keys``/``values`` ``(B, H, T, D)`` (no checks);
     ``resident``: then also the decoded keys and values ``(B, H, T, D)`` in their dtype."""

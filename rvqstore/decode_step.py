@@ -15,6 +15,12 @@ device or a switch changed) returns None, the regular path serves the call, and 
 ``tests/test_decode_step.py`` checks on any machine that a bound step hands MLX exactly what the
 regular path hands it; ``tests/test_decode_step_gpu.py`` that they compute the same bits on CUDA.
 ``RVQSTORE_DECODE_STEP=0`` switches binding off (the regular paths then serve every step).
+
+Packed steps go one launch further where the tensor-core split kernel serves their attention: the append is folded
+into it (:mod:`rvqstore.attention.fold`). The update then builds the append's launch for what it hands out (the
+unpack, never evaluated when the hook serves the call) and leaves the token *pending*; the attention call launches
+the split kernel that encodes and writes the token itself, and the cache's count becomes that launch's. An attention
+call the bound step refuses, or none at all, leaves the append's launch to write the token as before.
 """
 
 from __future__ import annotations
@@ -25,13 +31,14 @@ import weakref
 import mlx.core as mx
 
 from . import cache_append, cache_fetch, cache_modes, fused
+from .attention import fold as attention_fold
 from .attention import kernel as attention_kernel
 from .attention.launch_args import shared_count
 
 #: bind steady decode steps (False: every step takes the regular paths)
 ENABLED = os.environ.get("RVQSTORE_DECODE_STEP", "1").strip() != "0"
 #: how often steps were bound and served bound (tests and benchmarks read them)
-stats = {"bound": 0, "updates": 0, "attends": 0}
+stats = {"bound": 0, "updates": 0, "attends": 0, "folds": 0}
 
 
 def plain_mask(mask) -> bool:
@@ -44,7 +51,7 @@ class DecodeStep:
     :class:`PackedStep`, :class:`ResidentStep`), and for packed caches the attention kernels (``attend``)."""
 
     __slots__ = ("keys_stream", "kb", "vb", "cap", "shape", "dtype", "append",
-                 "attention", "qshape", "qdtype", "scale", "settings")
+                 "attention", "qshape", "qdtype", "scale", "settings", "fold", "pending")
 
     def __init__(self, cache, keys: mx.array, append: tuple):
         k, v = cache._keys, cache._values
@@ -56,6 +63,8 @@ class DecodeStep:
         self.append = append
         self.attention = None  # (split, merge) once bind_attention ran for these buffers
         self.qshape = self.qdtype = self.scale = self.settings = None
+        self.fold = None  # the split kernel with the append folded in (attention.fold), once bound
+        self.pending = None  # (keys, values, count before, the append's done, count after) of a step the fold may write
 
     def _same_buffers(self, cache) -> bool:
         k, v = cache._keys, cache._values
@@ -96,6 +105,7 @@ class DecodeStep:
         # what the mode's kernel_append and update_and_fetch record after the same launches
         done = outs[0]
         m = n + 1
+        self.pending = (keys, values, args[7], done, m) if self.fold is not None and attention_fold.FOLD else None
         k._n, k._hw, k._count = m, m, done
         v._n += 1
         v._hw, v._count = v._n, done
@@ -117,13 +127,24 @@ class DecodeStep:
             return None
         count = k._count
         split, merge = at
-        run, inputs, shapes, grid, tg, qi, ci, fill = split
-        args = inputs.copy()
-        args[qi], args[ci] = queries, shared_count(n) if count is None else count
+        pend, self.pending = self.pending, None
+        folded = pend is not None and pend[3] is count and pend[4] == n  # nothing since the step left it pending
+        if folded:  # the split kernel that writes the token itself, from the count before it
+            run, inputs, shapes, grid, tg = self.fold
+            args = inputs.copy()
+            args[0], args[10], args[12], args[13] = queries, pend[2], pend[0], pend[1]
+            fill = None
+        else:
+            run, inputs, shapes, grid, tg, qi, ci, fill = split
+            args = inputs.copy()
+            args[qi], args[ci] = queries, shared_count(n) if count is None else count
         try:
             if fill is not None:
                 fill(args)
             outs = run(args, shapes, grid, tg)
+            if folded:  # later readers of the buffers take the fold's count (the append is not evaluated)
+                v = cache._values
+                k._count = v._count = outs[2]
             if merge is None:  # the merge fused into the split kernel
                 out = outs[2]
             else:
@@ -132,9 +153,12 @@ class DecodeStep:
                 margs[0], margs[1] = outs[0], outs[1]
                 out = mrun(margs, mshapes, mgrid, mtg)[0]
         except Exception:
-            self.attention = None
+            if folded:  # the append's count again: its launch writes the token
+                k._count = cache._values._count = count
+            self.attention = self.fold = None
             return None
         stats["attends"] += 1
+        stats["folds"] += folded
         return out
 
 
@@ -209,5 +233,6 @@ def bind_attention(cache, view, queries: mx.array, scale: float) -> None:
     if bound is None:
         return
     step.attention = bound
+    step.fold = attention_fold.bind(view, queries, scale, step.dtype) if isinstance(step, PackedStep) else None
     step.qshape, step.qdtype, step.scale = queries.shape, queries.dtype, scale
     step.settings = attention_kernel.settings()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from rvqstore import RVQKVCache, cache_append, cache_fetch, decode_step, fused, kernel_cache, kernel_ref
+from rvqstore.attention import fold as attention_fold
 from rvqstore.attention import kernel as attention_kernel
 from rvqstore.attention import kernel_mma
 
@@ -58,12 +59,13 @@ def stand_in(monkeypatch):
                              (cache_append, "_disabled", dict), (cache_fetch, "_kernel_fn", list),
                              (cache_fetch, "_verified", set), (cache_fetch, "_disabled", dict),
                              (attention_kernel, "_kernels", dict), (attention_kernel, "_verified", set),
-                             (attention_kernel, "_disabled", dict), (kernel_mma, "_kernels", dict)):
+                             (attention_kernel, "_disabled", dict), (kernel_mma, "_kernels", dict),
+                             (attention_fold, "_verified", set), (attention_fold, "_disabled", dict)):
         monkeypatch.setattr(mod, name, fresh())
     for mod, name in ((attention_kernel, "_launches"), (attention_kernel, "_merges"),
                       (attention_kernel, "_decisions"), (kernel_mma, "_launches")):
         monkeypatch.setattr(mod, name, weakref.WeakKeyDictionary())
-    monkeypatch.setattr(decode_step, "stats", {"bound": 0, "updates": 0, "attends": 0})
+    monkeypatch.setattr(decode_step, "stats", {"bound": 0, "updates": 0, "attends": 0, "folds": 0})
     return seen
 
 
@@ -177,6 +179,7 @@ def _run(seen: list, bound: bool, held, steps, mode: str = "packed") -> tuple[li
 @pytest.mark.parametrize("kernel", ["mma", "mma-fused-merge", "simt"])
 def test_bound_steps_hand_mlx_what_the_regular_paths_hand_it(stand_in, monkeypatch, kernel):
     monkeypatch.setattr(decode_step, "ENABLED", True)
+    monkeypatch.setattr(attention_fold, "FOLD", False)  # the folded append: test_folded_steps_...
     monkeypatch.setattr(kernel_mma, "FUSED_MERGE", kernel == "mma-fused-merge")
     monkeypatch.setattr(kernel_mma, "TENSOR_CORES", kernel != "simt")
     held = _held(250)  # 250 tokens held: the first step grows the buffers to 256, a later one to 512
@@ -185,7 +188,7 @@ def test_bound_steps_hand_mlx_what_the_regular_paths_hand_it(stand_in, monkeypat
     regular, _ = _run(stand_in, False, held, steps)
     before = dict(decode_step.stats)
     bound, stats = _run(stand_in, True, held, steps)
-    assert before == {"bound": 0, "updates": 0, "attends": 0}  # the regular run bound nothing
+    assert before == {"bound": 0, "updates": 0, "attends": 0, "folds": 0}  # the regular run bound nothing
     for i, (a, b) in enumerate(zip(bound, regular)):
         assert a == b, f"entry {i} differs:\n bound   {a}\n regular {b}"
     assert len(bound) == len(regular)
@@ -250,3 +253,80 @@ def test_changed_settings_unbind_attention(stand_in, monkeypatch):
         if i >= 3:
             assert "mma" not in kw["name"]
     assert decode_step.stats["attends"] >= 2
+
+
+def _launch_of(seen, start: int, part: str):
+    """The (kwargs, outputs) of the last launch since ``start`` whose kernel name holds ``part``."""
+    hits = [e for e in seen[start:] if part in e[0]["name"]]
+    assert hits, [e[0]["name"] for e in seen[start:]]
+    return hits[-1]
+
+
+def test_folded_steps_write_the_token_in_the_split_kernel(stand_in, monkeypatch):
+    """The fold (rvqstore.attention.fold): once bound, a step's attention is the split kernel that takes the step's
+    keys and values and the count from before the step, and the cache's count becomes that launch's ``done``, which
+    the next step's append (for what update_and_fetch hands out) and attention take. The append's launch is still
+    built for the unpack handed out, from the same count. A trim between update and attention leaves the token to the
+    append (no fold); a step with no attention call leaves it to its append, and the next step folds only its own."""
+    monkeypatch.setattr(decode_step, "ENABLED", True)
+    cache = _cache(_held(100))
+    steps = _steps(12)
+    scale = D ** -0.5
+    folds = []
+    for i, (q, k, v) in enumerate(steps[:6]):
+        before = cache._keys._count
+        start = len(stand_in)
+        cache.update_and_fetch(k, v)
+        n_before = decode_step.stats["folds"]
+        cache.attend_on_codes(q, scale=scale)
+        if decode_step.stats["folds"] == n_before:
+            continue
+        folds.append(i)
+        append_kw, append_out = _launch_of(stand_in, start, "rvq_append")
+        fold_kw, fold_out = _launch_of(stand_in, start, "mma_fold")
+        assert append_kw["inputs"][7] is before  # the append (for the unpack) from the count before the step
+        assert fold_kw["inputs"][10] is before  # and the fold from the same one
+        assert fold_kw["inputs"][12] is k and fold_kw["inputs"][13] is v
+        assert cache._keys._count is fold_out[2] and cache._values._count is fold_out[2]
+        assert not any("unpack" in e[0]["name"] and e[0]["inputs"][8] is fold_out[2] for e in stand_in[start:])
+        merge_kw, _ = stand_in[-1]
+        assert merge_kw["inputs"][0] is fold_out[0] and merge_kw["inputs"][1] is fold_out[1]
+    assert folds == [2, 3, 4, 5], folds  # step 0 binds the update, step 1 the attention (and the fold)
+    # a step with no attention call: the next update's append takes this one's done, and only its token is folded
+    q, k, v = steps[6]
+    cache.update_and_fetch(k, v)
+    first_done = cache._keys._count
+    q, k, v = steps[7]
+    start = len(stand_in)
+    cache.update_and_fetch(k, v)
+    assert _launch_of(stand_in, start, "rvq_append")[0]["inputs"][7] is first_done
+    cache.attend_on_codes(q, scale=scale)
+    fold_kw, _ = _launch_of(stand_in, start, "mma_fold")
+    assert fold_kw["inputs"][10] is first_done and fold_kw["inputs"][12] is k
+    # a trim between the update and the attention: the append's count stays, the plain split serves
+    q, k, v = steps[8]
+    cache.update_and_fetch(k, v)
+    cache.trim(1)  # settles the pending write: the append's launch is evaluated, the token written
+    folded = decode_step.stats["folds"]
+    start = len(stand_in)
+    cache.attend_on_codes(q, scale=scale)
+    assert decode_step.stats["folds"] == folded
+    assert not any("mma_fold" in e[0]["name"] for e in stand_in[start:])
+    assert cache._keys._count is None
+
+
+def test_a_fold_that_disagrees_at_first_use_stays_off(stand_in, monkeypatch, caplog):
+    """First use compares the fold with the append and the split kernel on copies of the buffers (here the
+    stand-in's launches fill their outputs with values of their own, so they disagree): the fold is latched off,
+    said once, and bound steps take the append's launch and the plain split kernel."""
+    monkeypatch.setattr(decode_step, "ENABLED", True)
+    # the fold not checked on this machine before (every other kernel was)
+    monkeypatch.setattr(kernel_cache, "verdict_key", lambda what, *a: what)
+    monkeypatch.setattr(kernel_cache, "verdict", lambda key: None if key.startswith("append folded") else True)
+    cache = _cache(_held(100))
+    for q, k, v in _steps(5):
+        cache.update_and_fetch(k, v)
+        cache.attend_on_codes(q, scale=D ** -0.5)
+    assert attention_fold.disabled(), "the fold was not latched off"
+    assert decode_step.stats["folds"] == 0 and decode_step.stats["attends"] >= 2
+    assert "append folded into the split kernel" in caplog.text

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from rvqstore import RVQKVCache, cache_append, decode_step, fused
+from rvqstore.attention import fold
 from gpu_report import record as _record  # noqa: E402
 
 
@@ -29,12 +30,13 @@ def _same(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a, b, equal_nan=True).item())
 
 
-def _run(bound: bool, monkeypatch, *, bits, d, hkv, group, prompt, steps, evaluate, trim_at, mode="packed"):
+def _run(bound: bool, monkeypatch, *, bits, d, hkv, group, prompt, steps, evaluate, trim_at, mode="packed", batch=1):
     monkeypatch.setattr(decode_step, "ENABLED", bound)
     rng = np.random.default_rng(d + hkv + group)
     total = prompt + steps
-    k, v = (mx.array(rng.standard_normal((1, hkv, total, d)).astype(np.float32)).astype(mx.float16) for _ in range(2))
-    qs = mx.array(rng.standard_normal((steps, 1, hkv * group, 1, d)).astype(np.float32)).astype(mx.float16)
+    k, v = (mx.array(rng.standard_normal((batch, hkv, total, d)).astype(np.float32)).astype(mx.float16)
+            for _ in range(2))
+    qs = mx.array(rng.standard_normal((steps, batch, hkv * group, 1, d)).astype(np.float32)).astype(mx.float16)
     c = RVQKVCache(bits, mode=mode)
     c.update_and_fetch(k[:, :, :prompt], v[:, :, :prompt])
     outs, fetched = [], []
@@ -56,13 +58,17 @@ def _run(bound: bool, monkeypatch, *, bits, d, hkv, group, prompt, steps, evalua
     return outs, fetched, [mx.array(a) for a in c.state[:6]], c.offset
 
 
-@pytest.mark.parametrize("bits,d,hkv,group", [((2, 2), 128, 8, 4), ((4, 2), 128, 8, 4), ((2, 2), 128, 2, 8),
-                                              ((2, 2), 64, 4, 1), ((4, 2), 64, 8, 4)])
+@pytest.mark.parametrize("bits,d,hkv,group,batch", [((2, 2), 128, 8, 4, 1), ((4, 2), 128, 8, 4, 1),
+                                                    ((2, 2), 128, 2, 8, 1), ((2, 2), 64, 4, 1, 1),
+                                                    ((4, 2), 64, 8, 4, 1), ((4, 4), 128, 8, 4, 1),
+                                                    ((1, 1), 128, 4, 4, 1), ((2, 2), 128, 4, 4, 2)])
 @pytest.mark.parametrize("evaluate", [True, False])
-def test_bound_steps_compute_what_the_regular_paths_compute(monkeypatch, bits, d, hkv, group, evaluate):
+def test_bound_steps_compute_what_the_regular_paths_compute(monkeypatch, bits, d, hkv, group, batch, evaluate):
+    """Bound steps, their appends folded into the split kernel (rvqstore.attention.fold) where it serves, against
+    the regular paths (the append's own launch, then the split kernel)."""
     before = dict(decode_step.stats)
     # 250 prompt tokens: the steps cross 256 (the buffers grow) and a trim back at step 20
-    kw = dict(bits=bits, d=d, hkv=hkv, group=group, prompt=250, steps=40, evaluate=evaluate, trim_at=20)
+    kw = dict(bits=bits, d=d, hkv=hkv, group=group, prompt=250, steps=40, evaluate=evaluate, trim_at=20, batch=batch)
     got = _run(True, monkeypatch, **kw)
     served = {k: decode_step.stats[k] - before[k] for k in before}
     want = _run(False, monkeypatch, **kw)
@@ -70,9 +76,11 @@ def test_bound_steps_compute_what_the_regular_paths_compute(monkeypatch, bits, d
     ok_fetch = all(_same(a, b) for pa, pb in zip(got[1], want[1]) for a, b in zip(pa, pb))
     ok_state = all(_same(a, b) for a, b in zip(got[2], want[2])) and got[3] == want[3]
     ok = ok_out and ok_fetch and ok_state
-    _record("decode-step", ok, f"bits={bits} d={d} hkv={hkv} group={group} evaluate={evaluate} served={served}")
+    _record("decode-step", ok, f"bits={bits} d={d} hkv={hkv} group={group} batch={batch} evaluate={evaluate} "
+            f"served={served} fold off={fold.disabled()}")
     assert ok_out and ok_fetch and ok_state
     assert served["updates"] >= 25 and served["attends"] >= 25, served  # and most steps were bound ones
+    assert not fold.disabled() and served["folds"] >= 25, (served, fold.disabled())  # and folded
 
 
 @pytest.mark.parametrize("bits,d,hkv,group", [((2, 2), 128, 8, 4), ((4, 2), 128, 8, 4), ((2, 2), 64, 4, 1)])
@@ -120,10 +128,13 @@ def test_greedy_generation_is_token_identical_with_bound_steps(monkeypatch, mode
             y = mx.argmax(model(y[:, None], cache=caches)[:, -1], axis=-1)
         return toks
 
-    before = decode_step.stats["updates"]
+    before, folds = decode_step.stats["updates"], decode_step.stats["folds"]
     got = generate(True)
-    served = decode_step.stats["updates"] - before
+    served, folded = decode_step.stats["updates"] - before, decode_step.stats["folds"] - folds
     want = generate(False)
-    _record("decode-step-generation", got == want, f"{mode}: 64 tokens, 4 layers, served={served}")
+    _record("decode-step-generation", got == want, f"{mode}: 64 tokens, 4 layers, served={served}, "
+            f"folded={folded}")
     assert got == want
     assert served >= 4 * 50
+    if mode == "packed":
+        assert folded >= 4 * 50

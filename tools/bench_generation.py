@@ -200,7 +200,7 @@ def run_context(a, model, n, arms, dtype):
                     stream(model, cs, 2, 4, a.trim_back)  # warm-up of mlx-lm's loop
             rows[arm] = {"step_ms": [], "cpu_ms": [], "stream_ms": [], "peak_bytes": 0,
                          "cache_nbytes": int(sum(getattr(c, "nbytes", 0) for c in cs)),
-                         "layer_steps": 0, "bound_updates": 0}
+                         "layer_steps": 0, "bound_updates": 0, "folded_attends": 0}
         except Exception as e:  # e.g. QuantizedKVCache on CUDA: no quantized_matmul for this shape
             rows[arm] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             print(f"  {n} {arm}: fails: {rows[arm]['error']}", flush=True)
@@ -213,7 +213,7 @@ def run_context(a, model, n, arms, dtype):
             mx.reset_peak_memory()
             before = mx.get_active_memory()
             tok = 3 + r
-            bound0 = decode_step.stats["updates"]
+            bound0, fold0 = decode_step.stats["updates"], decode_step.stats["folds"]
             with variant(arm):
                 for _ in range(a.steps):
                     mx.synchronize()
@@ -225,6 +225,7 @@ def run_context(a, model, n, arms, dtype):
                 # the timed updates that bound decode steps served (rvqstore.decode_step): a share well below 1 on
                 # CUDA means the arm was timed on its regular paths (e.g. a resident cache staging its codes)
                 rows[arm]["bound_updates"] += decode_step.stats["updates"] - bound0
+                rows[arm]["folded_attends"] += decode_step.stats["folds"] - fold0  # rvqstore.attention.fold
                 rows[arm]["layer_steps"] += a.steps * sum(1 for c in cs if hasattr(c, "_decode_step"))
                 # this arm's cache plus what its steps allocate on top of everything already held
                 transient = mx.get_peak_memory() - before
@@ -244,6 +245,8 @@ def run_context(a, model, n, arms, dtype):
         steps = rows[arm].pop("layer_steps")
         bound = rows[arm].pop("bound_updates")  # bound steps exist on CUDA only
         rows[arm]["bound_share"] = bound / steps if steps and fused.gpu_backend() == "cuda" else None
+        folded = rows[arm].pop("folded_attends")
+        rows[arm]["folded_share"] = folded / steps if steps and fused.gpu_backend() == "cuda" else None
     if a.resume:
         # .rvq files with the library default (compress="auto": zstd where it pays) and uncompressed
         files = {}
@@ -298,17 +301,18 @@ def markdown(res):
              "Stream ms = milliseconds per token in mlx-lm's own `generate_step` loop (step t+1 built while the "
              "device runs step t: what a user of mlx-lm's generate/server sees); step ms = one step built and "
              "evaluated alone; step - kv = the step's excess over `KVCache`'s in ms (issue 9's per-token overhead). "
-             "Bound = the share of the timed layer updates that bound decode steps served (CUDA; `rvqstore.decode_step`).", "",
-             "| context | arm | step ms | tok/s | step / kv | step - kv | bound | stream ms | stream / kv | CPU ms | CPU / kv | peak MiB | peak / kv | cache MiB | file MB | resume s | kv resume / resume | raw: resume s | kv / raw |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "Bound = the share of the timed layer updates that bound decode steps served (CUDA; `rvqstore.decode_step`); "
+             "folded = the share whose append the split kernel wrote (`rvqstore.attention.fold`).", "",
+             "| context | arm | step ms | tok/s | step / kv | step - kv | bound | folded | stream ms | stream / kv | CPU ms | CPU / kv | peak MiB | peak / kv | cache MiB | file MB | resume s | kv resume / resume | raw: resume s | kv / raw |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda v, p=2: "–" if v is None else f"{v:.{p}f}"  # noqa: E731
     for n, rows in res["contexts"].items():
         for arm, r in rows.items():
             if "error" in r:
-                lines.append(f"| {n} | {arm} | fails: {r['error'][:90]} | | | | | | | | | | | | | | | | |")
+                lines.append(f"| {n} | {arm} | fails: {r['error'][:90]} | | | | | | | | | | | | | | | | | |")
                 continue
             lines.append(f"| {n} | {arm} | {f(r['step_median_ms'])} | {f(r['tokens_per_s'], 1)} | "
-                         f"{f(r.get('step_over_kv'))} | {f(r.get('step_minus_kv_ms'))} | {f(r.get('bound_share'))} | "
+                         f"{f(r.get('step_over_kv'))} | {f(r.get('step_minus_kv_ms'))} | {f(r.get('bound_share'))} | {f(r.get('folded_share'))} | "
                          f"{f(r.get('stream_median_ms'))} | {f(r.get('stream_over_kv'))} | "
                          f"{f(r.get('step_cpu_median_ms'), 1)} | {f(r.get('cpu_over_kv'))} | "
                          f"{r['peak_bytes'] / 2**20:.1f} | {f(r.get('peak_over_kv'))} | "

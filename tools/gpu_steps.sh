@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: lds3-tests attn-lds3 gen-128k-lds3 append-bits append-tests probe-resident gen-resident-fix trace-resident append-resident lds-tests attn-lds gen-lds gen-128k-lds resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: fold-tests gen-fold gen-128k-fold trace-fold lds3-tests attn-lds3 gen-128k-lds3 append-bits append-tests probe-resident gen-resident-fix trace-resident append-resident lds-tests attn-lds gen-lds gen-128k-lds resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -59,6 +59,18 @@ for s in "$@"; do
     gen-pinned) step gen-pinned 300 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-4+2 --steps 4 --rounds 3 --contexts 1024,8192,32768 \
         --resume --resume-rounds 3 --tmp "$tmp" --json "$OUT/gen-pinned.json" --md "$OUT/gen-pinned.md" ;;
+    fold-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-fold.txt step fold-tests 300 \
+        $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_decode_step_gpu.py tests/test_cache_append_gpu.py \
+        tests/test_cache_inplace_gpu.py tests/test_decode_step.py ;;
+    gen-fold) step gen-fold 360 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@nofold,packed-4+2,packed-4+2@nofold --steps 8 --rounds 5 \
+        --contexts 1024,8192,32768 --stream-tokens 16 --json "$OUT/gen-fold.json" --md "$OUT/gen-fold.md" ;;
+    gen-128k-fold) step gen-128k-fold 240 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@nofold,packed-4+2,packed-4+2@nofold --steps 6 --rounds 3 --contexts 131072 \
+        --json "$OUT/gen-128k-fold.json" --md "$OUT/gen-128k-fold.md" ;;
+    trace-fold) RVQSTORE_CUPTI=$PWD/.gpu/e/libcupti.so.13 step trace-fold 300 $py tools/trace_step.py \
+        --arms kv,packed-2+2,packed-2+2@nofold --contexts 1024,32768 --steps 6 --rounds 3 \
+        --json "$OUT/trace-fold.json" --md "$OUT/trace-fold.md" ;;
     lds3-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-lds3.txt step lds3-tests 200 \
         $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py tests/test_kernel_cache.py \
         -k "keep_every_bit or chosen_by_setting or shared_memory or kernel_cache" ;;

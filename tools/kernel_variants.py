@@ -15,7 +15,7 @@ off); ``unbound`` = no decode step bound, every step through the regular paths (
 updates, resident caches stage their codes, and neither binds its steps);
 ``slowsplit`` = the tensor-core split kernel's first setup and warp merge (a loop turn per load, a barrier per
 butterfly stride of the queries' rotation, a barrier per warp; kernel_mma.QUICK_SPLIT off); ``slowmerge`` = the merge kernel's first version (kernel.QUICK_MERGE
-off); ``slowboth`` = both; ``earlynorms`` = the tensor-core split kernel converting the next tile's norms right after their loads (kernel_mma.LATE_NORMS off); ``fullmax`` / ``quickmax`` = the tensor-core split kernel reducing its rows' maxima by shuffles at every tile (the default) / skipping them where no score passes the running maxima (kernel_mma.QUICK_MAX off / on); ``idx42`` / ``noidx42`` = 4+2 at head dim 128 building its table indices by bytes or one by one (kernel_mma.BYTE_INDEX_42); ``lds`` / ``lds1`` / ``nolds`` = the table reads by 32-bit shared address with 4+2's offsets built by byte permutes, by shared address alone, or through the generic pointer (kernel_mma.SHARED_ADDRESS 2 / 1 / 0); ``lds3`` = 2+2's too, its table at 256 bytes an entry in dynamic shared memory (SHARED_ADDRESS 3); ``pairs`` / ``oneturn`` = the tile loop taking two tiles a turn or one (kernel_mma.TILE_PAIRS); ``before`` = neither (the kernel of 2026-12-04); ``hostargs`` = the kernels' small constant inputs and the in-place append's count left where MLX puts host-made and 4-byte arrays (managed memory, the scalar pool; device_args.DEVICE_ARGS off); ``sdpaNk`` = on CUDA, caches of fewer than N x 1024 tokens decline attention on the codes
+off); ``slowboth`` = both; ``earlynorms`` = the tensor-core split kernel converting the next tile's norms right after their loads (kernel_mma.LATE_NORMS off); ``fullmax`` / ``quickmax`` = the tensor-core split kernel reducing its rows' maxima by shuffles at every tile (the default) / skipping them where no score passes the running maxima (kernel_mma.QUICK_MAX off / on); ``idx42`` / ``noidx42`` = 4+2 at head dim 128 building its table indices by bytes or one by one (kernel_mma.BYTE_INDEX_42); ``lds`` / ``lds1`` / ``nolds`` = the table reads by 32-bit shared address with 4+2's offsets built by byte permutes, by shared address alone, or through the generic pointer (kernel_mma.SHARED_ADDRESS 2 / 1 / 0); ``lds3`` = 2+2's too, its table at 256 bytes an entry in dynamic shared memory (SHARED_ADDRESS 3); ``pairs`` / ``oneturn`` = the tile loop taking two tiles a turn or one (kernel_mma.TILE_PAIRS); ``before`` = neither (the kernel of 2026-12-04); ``hostargs`` = the kernels' small constant inputs and the in-place append's count left where MLX puts host-made and 4-byte arrays (managed memory, the scalar pool; device_args.DEVICE_ARGS off); ``fold`` / ``nofold`` = a bound packed step's append folded into the tensor-core split kernel or launched on its own (rvqstore.attention.fold.FOLD); ``sdpaNk`` = on CUDA, caches of fewer than N x 1024 tokens decline attention on the codes
 (decode-then-SDPA on what update_and_fetch handed out; dispatch.MIN_TOKENS_ON_CODES_CUDA); ``sdpa`` = that at every
 length (the other arm of the crossover); ``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
 ``simt`` for fp16 calls on CUDA."""
@@ -23,7 +23,7 @@ length (the other arm of the crossover); ``default`` = the modules' own settings
 from __future__ import annotations
 
 from rvqstore import cache_append, decode_step, device_args, host_malloc, kernel_ref
-from rvqstore.attention import dispatch, kernel, kernel_mma
+from rvqstore.attention import dispatch, fold, kernel, kernel_mma
 
 VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False, "VALUE_COORDS": 4},
             "nopair": {"PAIR_TABLES": False}, "nostage": {"STAGE_CODES": False}, "v4": {"VALUE_COORDS": 4},
@@ -41,12 +41,13 @@ VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False
             "lds3": {"SHARED_ADDRESS": 3},
             "pairs": {"TILE_PAIRS": True}, "oneturn": {"TILE_PAIRS": False},
             "before": {"SHARED_ADDRESS": 0, "TILE_PAIRS": False},
+            "fold": {"FOLD": True}, "nofold": {"FOLD": False},
             "hostargs": {"DEVICE_ARGS": False}, "sdpa": {"MIN_TOKENS_ON_CODES_CUDA": 1 << 31}, "default": {}}
 _MODULE = {"TENSOR_CORES": kernel_mma, "STRIDED": kernel_mma, "SWAPPED": kernel_mma, "BLOCKS_PER_SM": kernel_mma,
            "TARGET_GROUPS": kernel_mma, "FUSED_MERGE": kernel_mma, "QUICK_SPLIT": kernel_mma, "LATE_NORMS": kernel_mma, "QUICK_MAX": kernel_mma, "BYTE_INDEX_42": kernel_mma,
            "SHARED_ADDRESS": kernel_mma, "TILE_PAIRS": kernel_mma,
            "BY_REFERENCE": kernel_ref, "ENABLED": decode_step, "INPLACE": cache_append,
-           "DEVICE_ARGS": device_args, "MIN_TOKENS_ON_CODES_CUDA": dispatch}  # settings that live outside kernel.py
+           "DEVICE_ARGS": device_args, "MIN_TOKENS_ON_CODES_CUDA": dispatch, "FOLD": fold}  # settings that live outside kernel.py
 
 
 def settings(name: str) -> dict:

@@ -6,6 +6,7 @@
   ``exp`` are slow there);
 - :mod:`.kernel`: the split-K GPU kernel (one body for Metal and CUDA, ``kernels/rvq_attend.inc``);
 - :mod:`.kernel_mma`: the same split kernel on tensor cores (CUDA, fp16 queries; ``kernels/rvq_attend_mma.inc``);
+- :mod:`.fold`: a bound decode step's append folded into the tensor-core split kernel (one launch fewer a layer);
 - :mod:`.launch_args`: what both split kernels' launches share (the split plan, small constant arrays);
 - :mod:`.dispatch`: which of them serves a call (or decode-then-SDPA, for long prefills);
 - :mod:`.hook`: how mlx-lm's models reach it without forking their code.

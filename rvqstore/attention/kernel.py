@@ -475,6 +475,16 @@ def settings() -> tuple:
             device_args.DEVICE_ARGS, len(_disabled))
 
 
+def two_tensor_core_launches(view: CodesView, queries: mx.array) -> bool:
+    """Whether :func:`attend` serves single-query calls like this one (no mask, no sinks) with the tensor-core split
+    kernel and the merge kernel, on CUDA (what :mod:`rvqstore.attention.fold` folds a step's append into)."""
+    dialect = fused.gpu_backend()
+    if dialect != "cuda" or dialect in _disabled or queries.shape[2] != 1:
+        return False
+    d = _decide(view, queries.shape[1] // view.n_kv_heads, queries.dtype, view.dense_keys is not None, False, dialect)
+    return d is not None and d[0] and d[1] and not d[2] and d[3] in _verified
+
+
 def bind(view: CodesView, queries: mx.array, scale: float) -> tuple | None:
     """What :func:`attend` hands MLX for single-query calls like this one (no mask, no sinks), for a caller
     that repeats it every decode step (:mod:`rvqstore.decode_step`): ``(split, merge)``, each ``(run,

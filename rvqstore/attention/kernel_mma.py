@@ -48,10 +48,12 @@ def sources() -> tuple[str, str]:
     return header, body
 
 
-def _kernel(fused_merge: bool = False):
+def _kernel(fused_merge: bool = False, fold: bool = False):
     """The split kernel (outputs ``o``, ``ml``) or, with ``fused_merge``, split and merge in one launch (also
-    ``out``; inputs ``vsg`` and ``sem`` added: kernels/rvq_attend_mma.inc, RVQ_ATTEND_FUSED)."""
-    name = "mma_fused" if fused_merge else "mma"
+    ``out``; inputs ``vsg`` and ``sem`` added: kernels/rvq_attend_mma.inc, RVQ_ATTEND_FUSED), or with ``fold`` the
+    split kernel that appends the step's token first (inputs ``nk``, ``nv``, ``esg``, ``etab``, ``elim`` added,
+    output ``done``: RVQ_ATTEND_FOLD, :mod:`rvqstore.attention.fold`)."""
+    name = "mma_fused" if fused_merge else "mma_fold" if fold else "mma"
     if BLOCKS_PER_SM != 3:  # another register budget is another binary (launch bounds)
         name += f"_tg{BLOCKS_PER_SM}"
     k = _kernels.get(name)
@@ -59,13 +61,16 @@ def _kernel(fused_merge: bool = False):
         header, body = sources()
         if fused_merge:
             header += "\n#define RVQ_ATTEND_FUSED 1\n"
+        if fold:  # the append kernel's encode of one vector (the same bits)
+            header += ("\n#define RVQ_ATTEND_FOLD 1\n" + fused.load_source("rvq_common.h")
+                       + fused.load_source("rvq_encode_row_cuda.cuh"))
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
         k = _kernels[name] = kernel_cache.cuda_kernel(
             name=f"rvq_attend_{name}_{digest}",
             input_names=["q", "sg", "qf", "ks", "k1", "k2", "vs", "v1", "v2", "lut", "cnt", "params"]
-            + (["vsg", "sem"] if fused_merge else []),
-            output_names=["o", "ml"] + (["out"] if fused_merge else []), source=body, header=header,
-            ensure_row_contiguous=True, launch_bounds=f"{THREADS}, {BLOCKS_PER_SM}")
+            + (["vsg", "sem"] if fused_merge else []) + (["nk", "nv", "esg", "etab", "elim"] if fold else []),
+            output_names=["o", "ml"] + (["out"] if fused_merge else []) + (["done"] if fold else []), source=body,
+            header=header, ensure_row_contiguous=True, launch_bounds=f"{THREADS}, {BLOCKS_PER_SM}")
     return k
 
 
@@ -159,7 +164,7 @@ TARGET_GROUPS = 396
 
 
 class _Launch:
-    __slots__ = ("params", "sg", "qf", "lut", "two", "template", "smem", "grid", "shapes", "run", "fused")
+    __slots__ = ("params", "sg", "qf", "lut", "two", "template", "smem", "grid", "shapes", "run", "fused", "folds")
 
 
 def table_reads(bits1: int, bits2: int) -> int:
@@ -214,6 +219,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
     p.run = None  # the prepared launch, made at the first call (when the inputs' dtypes are known)
     p.fused = None  # the same for the fused merge: (prepared launch, output shapes, output dtypes)
+    p.folds = {}  # the same for the folded append, per keys' dtype
     if len(per) > 64:
         per.clear()
     per[key] = p
@@ -326,3 +332,47 @@ def bind_fused(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale
         args[13] = _sem_slot(bh)
 
     return f[0], inputs, f[1], p.grid, _THREADGROUP, 0, 10, fill
+
+
+def _fold_entry(p: _Launch, view: CodesView, encode: tuple, dtype, inputs: list) -> tuple:
+    """The folded append's ``(prepared launch, output shapes, output dtypes)`` for this plan and keys' ``dtype``
+    (made once, from ``inputs``' dtypes)."""
+    f = p.folds.get(dtype)
+    if f is None:
+        done = device_args.count_shape()
+        dtypes = _F32_2 + [mx.uint32]
+        template = p.template + encode[1] + [("T_DONE", done[0])]
+        f = p.folds[dtype] = (prepared(_kernel(fold=True), template, inputs, dtypes, p.smem), p.shapes + [done],
+                              dtypes)
+    return f
+
+
+def _fold_inputs(p: _Launch, view: CodesView, q, count, keys, values, encode: tuple) -> list:
+    ks, k1, k2 = view.key_buffers
+    vs, v1, v2 = view.value_buffers
+    return [q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut, count, p.params,
+            keys, values, *encode[0]]
+
+
+def launch_fold(view: CodesView, q: mx.array, scale: float, keys: mx.array, values: mx.array, encode: tuple):
+    """``(o, ml, done)`` for one raw fp16 query per head row of ``q`` ``(B, Hq, 1, D)`` over the view's tokens and the
+    step's token ``keys``/``values`` ``(B, Hkv, 1, D)``, which the launch encodes and writes into the view's buffers at
+    ``view.n_coded`` (room there, no checks; ``encode``: the append's ``(constants, template)``,
+    :func:`rvqstore.cache_append.encode_args`); ``done`` ``[n + 1]`` orders later readers after the write."""
+    b, h, l, d = q.shape
+    ks = view.key_buffers[0]
+    p = _plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, 1, False, scale)
+    inputs = _fold_inputs(p, view, q, view.count_array(), keys, values, encode)
+    run, shapes, _ = _fold_entry(p, view, encode, keys.dtype, inputs)
+    out = run(inputs, shapes, p.grid, _THREADGROUP)
+    return out[0], out[1], out[2]
+
+
+def bind_fold(view: CodesView, q: mx.array, scale: float, keys: mx.array, encode: tuple) -> tuple | None:
+    """:func:`launch_fold` as :func:`bind` gives :func:`launch`: ``(run, inputs, shapes, grid, threadgroup)``, the
+    queries (input 0), the count before the step (10), the step's keys and values (12, 13) left for the caller."""
+    b, h, l, d = q.shape
+    ks = view.key_buffers[0]
+    p = _plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, 1, False, scale)
+    f = _fold_entry(p, view, encode, keys.dtype, _fold_inputs(p, view, q, view.count_array(), keys, keys, encode))
+    return f[0], _fold_inputs(p, view, None, None, None, None, encode), f[1], p.grid, _THREADGROUP
