@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: fold-tests gen-fold gen-128k-fold trace-fold lds3-tests attn-lds3 gen-128k-lds3 append-bits append-tests probe-resident gen-resident-fix trace-resident append-resident lds-tests attn-lds gen-lds gen-128k-lds resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: fold-tests gen-fold gen-fold-ab gen-128k-fold trace-fold lds3-tests attn-lds3 gen-128k-lds3 append-bits append-tests probe-resident gen-resident-fix trace-resident append-resident lds-tests attn-lds gen-lds gen-128k-lds resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -65,6 +65,9 @@ for s in "$@"; do
     gen-fold) step gen-fold 360 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@nofold,packed-4+2,packed-4+2@nofold --steps 8 --rounds 5 \
         --contexts 1024,8192,32768 --stream-tokens 16 --json "$OUT/gen-fold.json" --md "$OUT/gen-fold.md" ;;
+    gen-fold-ab) step gen-fold-ab 400 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@nofold --steps 8 --rounds 15 --contexts 1024,8192,32768 --stream-tokens 32 \
+        --json "$OUT/gen-fold-ab.json" --md "$OUT/gen-fold-ab.md" ;;
     gen-128k-fold) step gen-128k-fold 240 $py tools/bench_generation.py --model random \
         --arms kv,packed-2+2,packed-2+2@nofold,packed-4+2,packed-4+2@nofold --steps 6 --rounds 3 --contexts 131072 \
         --json "$OUT/gen-128k-fold.json" --md "$OUT/gen-128k-fold.md" ;;
