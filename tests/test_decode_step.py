@@ -269,6 +269,7 @@ def test_folded_steps_write_the_token_in_the_split_kernel(stand_in, monkeypatch)
     built for the unpack handed out, from the same count. A trim between update and attention leaves the token to the
     append (no fold); a step with no attention call leaves it to its append, and the next step folds only its own."""
     monkeypatch.setattr(decode_step, "ENABLED", True)
+    monkeypatch.setattr(attention_fold, "FOLD", True)
     cache = _cache(_held(100))
     steps = _steps(12)
     scale = D ** -0.5
@@ -320,6 +321,7 @@ def test_a_fold_that_disagrees_at_first_use_stays_off(stand_in, monkeypatch, cap
     stand-in's launches fill their outputs with values of their own, so they disagree): the fold is latched off,
     said once, and bound steps take the append's launch and the plain split kernel."""
     monkeypatch.setattr(decode_step, "ENABLED", True)
+    monkeypatch.setattr(attention_fold, "FOLD", True)
     # the fold not checked on this machine before (every other kernel was)
     monkeypatch.setattr(kernel_cache, "verdict_key", lambda what, *a: what)
     monkeypatch.setattr(kernel_cache, "verdict", lambda key: None if key.startswith("append folded") else True)
@@ -330,3 +332,16 @@ def test_a_fold_that_disagrees_at_first_use_stays_off(stand_in, monkeypatch, cap
     assert attention_fold.disabled(), "the fold was not latched off"
     assert decode_step.stats["folds"] == 0 and decode_step.stats["attends"] >= 2
     assert "append folded into the split kernel" in caplog.text
+
+
+def test_the_fold_is_off_unless_asked_for(stand_in, monkeypatch):
+    """By default (``RVQSTORE_FOLD`` unset) bound steps launch the append on its own: nothing is folded."""
+    monkeypatch.setattr(decode_step, "ENABLED", True)
+    monkeypatch.setattr(attention_fold, "FOLD", attention_fold.os.environ.get("RVQSTORE_FOLD", "0").strip() == "1")
+    cache = _cache(_held(100))
+    for q, k, v in _steps(5):
+        cache.update_and_fetch(k, v)
+        cache.attend_on_codes(q, scale=D ** -0.5)
+    assert decode_step.stats["attends"] >= 2
+    assert (decode_step.stats["folds"] > 0) == attention_fold.FOLD
+    assert any("mma_fold" in e[0]["name"] for e in stand_in) == attention_fold.FOLD

@@ -63,9 +63,11 @@ def _run(bound: bool, monkeypatch, *, bits, d, hkv, group, prompt, steps, evalua
                                                     ((4, 2), 64, 8, 4, 1), ((4, 4), 128, 8, 4, 1),
                                                     ((1, 1), 128, 4, 4, 1), ((2, 2), 128, 4, 4, 2)])
 @pytest.mark.parametrize("evaluate", [True, False])
-def test_bound_steps_compute_what_the_regular_paths_compute(monkeypatch, bits, d, hkv, group, batch, evaluate):
-    """Bound steps, their appends folded into the split kernel (rvqstore.attention.fold) where it serves, against
-    the regular paths (the append's own launch, then the split kernel)."""
+@pytest.mark.parametrize("folded", [False, True])
+def test_bound_steps_compute_what_the_regular_paths_compute(monkeypatch, bits, d, hkv, group, batch, evaluate, folded):
+    """Bound steps (``folded``: their appends folded into the split kernel, rvqstore.attention.fold) against the
+    regular paths (the append's own launch, then the split kernel)."""
+    monkeypatch.setattr(fold, "FOLD", folded)
     before = dict(decode_step.stats)
     # 250 prompt tokens: the steps cross 256 (the buffers grow) and a trim back at step 20
     kw = dict(bits=bits, d=d, hkv=hkv, group=group, prompt=250, steps=40, evaluate=evaluate, trim_at=20, batch=batch)
@@ -77,10 +79,13 @@ def test_bound_steps_compute_what_the_regular_paths_compute(monkeypatch, bits, d
     ok_state = all(_same(a, b) for a, b in zip(got[2], want[2])) and got[3] == want[3]
     ok = ok_out and ok_fetch and ok_state
     _record("decode-step", ok, f"bits={bits} d={d} hkv={hkv} group={group} batch={batch} evaluate={evaluate} "
-            f"served={served} fold off={fold.disabled()}")
+            f"folded={folded} served={served} fold off={fold.disabled()}")
     assert ok_out and ok_fetch and ok_state
     assert served["updates"] >= 25 and served["attends"] >= 25, served  # and most steps were bound ones
-    assert not fold.disabled() and served["folds"] >= 25, (served, fold.disabled())  # and folded
+    if folded:
+        assert not fold.disabled() and served["folds"] >= 25, (served, fold.disabled())
+    else:
+        assert served["folds"] == 0, served
 
 
 @pytest.mark.parametrize("bits,d,hkv,group", [((2, 2), 128, 8, 4), ((4, 2), 128, 8, 4), ((2, 2), 64, 4, 1)])
@@ -105,7 +110,7 @@ def test_bound_resident_steps_compute_what_the_regular_paths_compute(monkeypatch
     assert served["updates"] >= 20, served
 
 
-@pytest.mark.parametrize("mode", ["packed", "resident"])
+@pytest.mark.parametrize("mode", ["packed", "resident", "packed-folded"])
 def test_greedy_generation_is_token_identical_with_bound_steps(monkeypatch, mode):
     from mlx_lm.models import llama
 
@@ -117,6 +122,9 @@ def test_greedy_generation_is_token_identical_with_bound_steps(monkeypatch, mode
     model.set_dtype(mx.float16)
     mx.eval(model.parameters())
     prompt = mx.array(np.random.default_rng(0).integers(0, 512, (1, 300)), dtype=mx.int32)
+
+    monkeypatch.setattr(fold, "FOLD", mode == "packed-folded")
+    mode = mode.partition("-")[0]
 
     def generate(bound):
         monkeypatch.setattr(decode_step, "ENABLED", bound)
@@ -136,5 +144,4 @@ def test_greedy_generation_is_token_identical_with_bound_steps(monkeypatch, mode
             f"folded={folded}")
     assert got == want
     assert served >= 4 * 50
-    if mode == "packed":
-        assert folded >= 4 * 50
+    assert (folded >= 4 * 50) if fold.FOLD else folded == 0

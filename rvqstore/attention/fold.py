@@ -17,7 +17,8 @@ Only what the fold changes is ordered by its count: the cache's next readers.
 First use of each configuration, on copies of one layer's buffers: the append kernel then the split kernel against
 the fold, with the same queries and a fixed token; their partials and every buffer must be equal bit for bit, else the
 fold stays off for that configuration (logged once) and steps take the append launch as before.
-``RVQSTORE_FOLD=0`` switches it off.
+Off by default (``RVQSTORE_FOLD=1`` switches it on): on the H200 it kept every bit and made no step measurably faster
+(docs/attention.md, "The append folded into the split kernel").
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from ..device_memory import copy_bits
 from . import kernel, kernel_mma
 from .view import CodesView
 
-#: fold a bound decode step's append into its split kernel (False: the append's own launch, as before)
-FOLD = os.environ.get("RVQSTORE_FOLD", "1").strip() != "0"
+#: fold a bound decode step's append into its split kernel (False: the append's own launch). Off unless
+#: RVQSTORE_FOLD=1: bit-identical on the H200 (tools/results/gpu-parity-fold.txt) but no faster there in three same-run
+#: comparisons (docs/attention.md, "The append folded into the split kernel"); variant ``fold`` turns it on
+FOLD = os.environ.get("RVQSTORE_FOLD", "0").strip() == "1"
 
 _lock = threading.Lock()
 _verified: set = set()
