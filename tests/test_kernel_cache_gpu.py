@@ -95,6 +95,8 @@ def test_gpu_precompiled_kernels_equal_the_jit_kernels(monkeypatch, tmp_path):
         assert any(n == kind or n.startswith(kind + "2") or n.startswith(kind + "1") for n in names), (kind, names)
     failed = []
     for (name, template, _), (kern, kw) in calls.items():
+        # MLX's JIT callable takes its dynamic shared memory when it is made (CudaKernel.jit), not per call
+        jit_kernel, kw_jit = kern.jit(kw.get("shared_memory", 0)), {k: v for k, v in kw.items() if k != "shared_memory"}
         if "_inplace" in name:  # it writes into its inputs 8..13 (the buffers): each launch into copies, compared
             ins = kw["inputs"]
             bufs = [[(a.view(mx.uint32 if a.dtype.size == 4 else mx.uint16) | 0).view(a.dtype) for a in ins[8:14]]
@@ -102,7 +104,7 @@ def test_gpu_precompiled_kernels_equal_the_jit_kernels(monkeypatch, tmp_path):
             mx.eval(bufs)
             done_pre = kern(**dict(kw, inputs=ins[:8] + bufs[0]))
             assert kern.precompiled() > 0, f"{name} did not launch from a cached binary"
-            done_jit = kern.jit()(**dict(kw, inputs=ins[:8] + bufs[1]))
+            done_jit = jit_kernel(**dict(kw_jit, inputs=ins[:8] + bufs[1]))
             mx.eval(done_pre, done_jit)
             pre, jit = done_pre + bufs[0], done_jit + bufs[1]
         elif "_fused" in name:  # the fused merge counts its threadgroups in its last input (a counter slot, zero
@@ -110,7 +112,7 @@ def test_gpu_precompiled_kernels_equal_the_jit_kernels(monkeypatch, tmp_path):
             ins = kw["inputs"]
             pre = kern(**dict(kw, inputs=ins[:-1] + [mx.zeros_like(ins[-1])]))
             assert kern.precompiled() > 0, f"{name} did not launch from a cached binary"
-            jit = kern.jit()(**dict(kw, inputs=ins[:-1] + [mx.zeros_like(ins[-1])]))
+            jit = jit_kernel(**dict(kw_jit, inputs=ins[:-1] + [mx.zeros_like(ins[-1])]))
             mx.eval(pre, jit)
         else:  # launched by reference (rvqstore.kernel_ref) and with the binary, against the JIT kernel
             pre = kern(**kw)
@@ -118,7 +120,7 @@ def test_gpu_precompiled_kernels_equal_the_jit_kernels(monkeypatch, tmp_path):
             with monkeypatch.context() as m:
                 m.setattr(kernel_ref, "BY_REFERENCE", False)
                 pre_binary = kern(**kw)
-            jit = kern.jit()(**kw)
+            jit = jit_kernel(**kw_jit)
             mx.eval(pre, pre_binary, jit)
             pre = pre + pre_binary
             jit = jit + jit
