@@ -16,8 +16,9 @@ device or a switch changed) returns None, the regular path serves the call, and 
 regular path hands it; ``tests/test_decode_step_gpu.py`` that they compute the same bits on CUDA.
 ``RVQSTORE_DECODE_STEP=0`` switches binding off (the regular paths then serve every step).
 
-Packed steps go one launch further where the tensor-core split kernel serves their attention: the append is folded
-into it (:mod:`rvqstore.attention.fold`). The update then builds the append's launch for what it hands out (the
+With the fold on (:mod:`rvqstore.attention.fold`, ``RVQSTORE_FOLD=1``; off by default: no faster on the H200) packed
+steps go one launch further where the tensor-core split kernel serves their attention: the append is folded into
+it. The update then builds the append's launch for what it hands out (the
 unpack, never evaluated when the hook serves the call) and leaves the token *pending*; the attention call launches
 the split kernel that encodes and writes the token itself, and the cache's count becomes that launch's. An attention
 call the bound step refuses, or none at all, leaves the append's launch to write the token as before.

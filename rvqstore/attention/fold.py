@@ -69,8 +69,8 @@ def _check_token(view: CodesView, dtype) -> tuple[mx.array, mx.array]:
 
 def bind(view: CodesView, queries: mx.array, scale: float, dtype) -> tuple | None:
     """The fold for bound steps like this one (single-query calls of ``queries``' shape, one token of keys and values
-    of ``dtype`` per head, into ``view``'s buffers): :func:`rvqstore.attention.kernel_mma.bind_fold`'s tuple once the configuration's
-    first use passed, else None (then the step's append keeps its own launch)."""
+    of ``dtype`` per head, into ``view``'s buffers): :func:`rvqstore.attention.kernel_mma.bind_fold`'s tuple once
+    the configuration's first use passed, else None (then the step's append keeps its own launch)."""
     if not FOLD or view.dense_keys is not None or not kernel.two_tensor_core_launches(view, queries):
         return None
     codec = view.key_codec
