@@ -124,7 +124,7 @@ def test_greedy_generation_is_token_identical_with_bound_steps(monkeypatch, mode
     prompt = mx.array(np.random.default_rng(0).integers(0, 512, (1, 300)), dtype=mx.int32)
 
     monkeypatch.setattr(fold, "FOLD", mode == "packed-folded")
-    mode = mode.partition("-")[0]
+    arm, mode = mode, mode.partition("-")[0]
 
     def generate(bound):
         monkeypatch.setattr(decode_step, "ENABLED", bound)
@@ -140,7 +140,7 @@ def test_greedy_generation_is_token_identical_with_bound_steps(monkeypatch, mode
     got = generate(True)
     served, folded = decode_step.stats["updates"] - before, decode_step.stats["folds"] - folds
     want = generate(False)
-    _record("decode-step-generation", got == want, f"{mode}: 64 tokens, 4 layers, served={served}, "
+    _record("decode-step-generation", got == want, f"{arm}: 64 tokens, 4 layers, served={served}, "
             f"folded={folded}")
     assert got == want
     assert served >= 4 * 50
