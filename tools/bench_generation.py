@@ -14,7 +14,8 @@ blocks of 4,096 tokens through ``update_and_fetch``) to each context.
 
 Method: every arm is warmed up (compiles, first-use checks), then rounds interleave the arms; in a
 round an arm runs ``--steps`` single-token steps (each evaluated), then ``--stream-tokens`` through
-mlx-lm's loop; medians over all steps. The caches keep growing (by under 256 tokens over a run: no
+mlx-lm's loop; medians over all steps. An arm ``X@VARIANT`` beside ``X`` is also compared round by round
+(:func:`paired`: the median of the per-round differences, and how often the variant was faster). The caches keep growing (by under 256 tokens over a run: no
 buffer grows inside the timed steps) as in a real generation; ``--trim-back`` trims them back after
 each round instead (a packed cache then copies its buffers once after every trim before it writes in
 place again: what a trimming user sees, not a steady decode). Peak memory: the arm's cache bytes (allocated capacity) plus what
@@ -182,6 +183,24 @@ def load(arm, path):
     return rvqstore.load_prompt_cache(path)
 
 
+def paired(rows, arm, live) -> None:
+    """For an arm ``X@variant`` whose ``X`` ran in the same rounds: the per-round differences of their medians (the
+    arms run one after another in every round, their order reversed every other round, so the two share each round's
+    host and device conditions, and the spread between rounds drops out of the comparison). ``paired_step_diff_ms``: the median over rounds of this arm's round median less ``X``'s
+    (negative: this arm faster); ``paired_step_faster``: the share of rounds it was faster; the same for the stream."""
+    base = arm.partition("@")[0]
+    if base == arm or base not in live:
+        return
+    r = rows[arm]
+    r["paired_with"] = base
+    for what in ("step", "stream"):
+        mine, theirs = r[f"round_{what}_ms"], rows[base][f"round_{what}_ms"]
+        if mine and len(mine) == len(theirs):
+            d = [x - y for x, y in zip(mine, theirs)]
+            r[f"paired_{what}_diff_ms"] = statistics.median(d)
+            r[f"paired_{what}_faster"] = sum(x < 0 for x in d) / len(d)
+
+
 def run_context(a, model, n, arms, dtype):
     n_layers, kv_heads, head_dim = geometry(model)
     rows = {}
@@ -200,7 +219,8 @@ def run_context(a, model, n, arms, dtype):
                     stream(model, cs, 2, 4, a.trim_back)  # warm-up of mlx-lm's loop
             rows[arm] = {"step_ms": [], "cpu_ms": [], "stream_ms": [], "peak_bytes": 0,
                          "cache_nbytes": int(sum(getattr(c, "nbytes", 0) for c in cs)),
-                         "layer_steps": 0, "bound_updates": 0, "folded_attends": 0}
+                         "layer_steps": 0, "bound_updates": 0, "folded_attends": 0, "round_step_ms": [],
+                         "round_stream_ms": []}
         except Exception as e:  # e.g. QuantizedKVCache on CUDA: no quantized_matmul for this shape
             rows[arm] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             print(f"  {n} {arm}: fails: {rows[arm]['error']}", flush=True)
@@ -222,6 +242,7 @@ def run_context(a, model, n, arms, dtype):
                     mx.synchronize()
                     rows[arm]["step_ms"].append((time.perf_counter() - t0) * 1e3)
                     rows[arm]["cpu_ms"].append((time.process_time() - c0) * 1e3)
+                rows[arm]["round_step_ms"].append(statistics.median(rows[arm]["step_ms"][-a.steps:]))
                 # the timed updates that bound decode steps served (rvqstore.decode_step): a share well below 1 on
                 # CUDA means the arm was timed on its regular paths (e.g. a resident cache staging its codes)
                 rows[arm]["bound_updates"] += decode_step.stats["updates"] - bound0
@@ -233,7 +254,9 @@ def run_context(a, model, n, arms, dtype):
                 if a.trim_back:
                     trim(cs, a.steps)
                 if a.stream_tokens:
-                    rows[arm]["stream_ms"] += stream(model, cs, tok % 1000, a.stream_tokens, a.trim_back)
+                    ms = stream(model, cs, tok % 1000, a.stream_tokens, a.trim_back)
+                    rows[arm]["stream_ms"] += ms
+                    rows[arm]["round_stream_ms"].append(statistics.median(ms))
     for arm in live:
         if rows[arm]["stream_ms"]:
             rows[arm]["stream_median_ms"] = statistics.median(rows[arm]["stream_ms"])
@@ -247,6 +270,8 @@ def run_context(a, model, n, arms, dtype):
         rows[arm]["bound_share"] = bound / steps if steps and fused.gpu_backend() == "cuda" else None
         folded = rows[arm].pop("folded_attends")
         rows[arm]["folded_share"] = folded / steps if steps and fused.gpu_backend() == "cuda" else None
+    for arm in live:
+        paired(rows, arm, live)
     if a.resume:
         # .rvq files with the library default (compress="auto": zstd where it pays) and uncompressed
         files = {}
@@ -320,6 +345,15 @@ def markdown(res):
                          f"{f(r['file_bytes'] / 1e6, 1) if 'file_bytes' in r else '–'} | {f(r.get('resume_s'), 3)} | "
                          f"{f(r.get('resume_speedup_vs_kv'))} | {f(r.get('resume_s_raw'), 3)} | "
                          f"{f(r.get('resume_speedup_vs_kv_raw'))} |")
+    pairs = [(n, arm, r) for n, rows in res["contexts"].items() for arm, r in rows.items() if "paired_with" in r]
+    if pairs:
+        lines += ["", "Paired rounds (an arm `X@variant` against `X`, both timed in every round): the median "
+                  "over rounds of the difference of the two arms' round medians (negative: the variant faster), and "
+                  "the share of rounds the variant was faster.", ""]
+        for n, arm, r in pairs:
+            parts = [f"{what} {r[f'paired_{what}_diff_ms']:+.2f} ms, faster in {r[f'paired_{what}_faster']:.0%}"
+                     for what in ("step", "stream") if f"paired_{what}_diff_ms" in r]
+            lines.append(f"- {n} `{arm}` against `{r['paired_with']}`: " + "; ".join(parts))
     return "\n".join(lines) + "\n"
 
 
