@@ -226,15 +226,25 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     return p
 
 
+def _plan_for(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: float) -> _Launch:
+    """The plan of a call with raw queries ``q`` ``(B, Hq, L, D)`` over ``view``'s buffers."""
+    b, h, l, _ = q.shape
+    return _plan(view, view.key_buffers[0].shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, n_queries,
+                 causal, scale)
+
+
+def _split_inputs(p: _Launch, view: CodesView, q, count) -> list:
+    """The split kernel's twelve inputs (a single-stage code passes its first stream again for the second)."""
+    ks, k1, k2 = view.key_buffers
+    vs, v1, v2 = view.value_buffers
+    return [q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut, count, p.params]
+
+
 def launch(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: float):
     """``(o (BH, S, R, D), ml (BH, S, R, 2))`` for raw fp16 queries ``q`` ``(B, Hq, L, D)`` (their memory is
     ``(B * Hkv, R, D)``), rotated inside the kernel."""
-    b, h, l, d = q.shape
-    ks, k1, k2 = view.key_buffers
-    vs, v1, v2 = view.value_buffers
-    p = _plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, n_queries, causal, scale)
-    inputs = [q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut,
-              view.count_array(), p.params]
+    p = _plan_for(view, q, n_queries, causal, scale)
+    inputs = _split_inputs(p, view, q, view.count_array())
     if p.run is None:
         p.run = prepared(_kernel(), p.template, inputs, _F32_2, p.smem)
     out = p.run(inputs, p.shapes, p.grid, _THREADGROUP)
@@ -245,14 +255,10 @@ def bind(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale: floa
     """What :func:`launch` hands MLX for calls like this one, for a caller that repeats it every step
     (:mod:`rvqstore.decode_step`): ``(run, inputs, shapes, grid, threadgroup, 0, 10, None)``: the queries
     (input 0) and the count (10) left for the caller. None before a launch prepared it."""
-    b, h, l, d = q.shape
-    ks, k1, k2 = view.key_buffers
-    vs, v1, v2 = view.value_buffers
-    p = _plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, n_queries, causal, scale)
+    p = _plan_for(view, q, n_queries, causal, scale)
     if p.run is None:
         return None
-    inputs = [None, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut, None, p.params]
-    return p.run, inputs, p.shapes, p.grid, _THREADGROUP, 0, 10, None
+    return p.run, _split_inputs(p, view, None, None), p.shapes, p.grid, _THREADGROUP, 0, 10, None
 
 
 #: serve fast-path calls (no window, no sinks) with one launch, the merge fused into the split kernel
@@ -300,12 +306,9 @@ def launch_fused(view: CodesView, q: mx.array, n_queries: int, causal: bool, sca
     """The attention output ``(B, Hq, L, Dv)`` in ``q``'s dtype for raw fp16 queries ``q`` ``(B, Hq, L, D)``: the
     split kernel whose last threadgroup per head merges the splits and un-rotates (``vsg`` = value signs / Dv)."""
     b, h, l, d = q.shape
-    ks, k1, k2 = view.key_buffers
-    vs, v1, v2 = view.value_buffers
     bh = b * view.n_kv_heads
-    p = _plan(view, ks.shape[-1], bh, h * l // view.n_kv_heads, n_queries, causal, scale)
-    inputs = [q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut,
-              view.count_array(), p.params, vsg, _sem_slot(bh)]
+    p = _plan_for(view, q, n_queries, causal, scale)
+    inputs = _split_inputs(p, view, q, view.count_array()) + [vsg, _sem_slot(bh)]
     f = p.fused
     if f is None:
         f = p.fused = (prepared(_kernel(True), p.template + [("OutT", q.dtype)], inputs, _F32_2 + [q.dtype], p.smem),
@@ -317,16 +320,12 @@ def bind_fused(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale
     """:func:`launch_fused` as :func:`bind` gives :func:`launch`; its 8th entry fills in what changes per
     launch besides the queries and the count (the ring's next counter slot, input 13); the attention output is
     the launch's third output. None before a launch prepared it."""
-    b, h, l, d = q.shape
-    ks, k1, k2 = view.key_buffers
-    vs, v1, v2 = view.value_buffers
-    bh = b * view.n_kv_heads
-    p = _plan(view, ks.shape[-1], bh, h * l // view.n_kv_heads, n_queries, causal, scale)
+    bh = q.shape[0] * view.n_kv_heads
+    p = _plan_for(view, q, n_queries, causal, scale)
     f = p.fused
     if f is None:
         return None
-    inputs = [None, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut, None, p.params,
-              vsg, None]
+    inputs = _split_inputs(p, view, None, None) + [vsg, None]
 
     def fill(args):
         args[13] = _sem_slot(bh)
@@ -334,24 +333,16 @@ def bind_fused(view: CodesView, q: mx.array, n_queries: int, causal: bool, scale
     return f[0], inputs, f[1], p.grid, _THREADGROUP, 0, 10, fill
 
 
-def _fold_entry(p: _Launch, view: CodesView, encode: tuple, dtype, inputs: list) -> tuple:
-    """The folded append's ``(prepared launch, output shapes, output dtypes)`` for this plan and keys' ``dtype``
-    (made once, from ``inputs``' dtypes)."""
+def _fold_entry(p: _Launch, encode: tuple, dtype, inputs: list) -> tuple:
+    """The folded append's ``(prepared launch, output shapes)`` for this plan and keys' ``dtype`` (made once, from
+    ``inputs``' dtypes)."""
     f = p.folds.get(dtype)
     if f is None:
         done = device_args.count_shape()
         dtypes = _F32_2 + [mx.uint32]
         template = p.template + encode[1] + [("T_DONE", done[0])]
-        f = p.folds[dtype] = (prepared(_kernel(fold=True), template, inputs, dtypes, p.smem), p.shapes + [done],
-                              dtypes)
+        f = p.folds[dtype] = (prepared(_kernel(fold=True), template, inputs, dtypes, p.smem), p.shapes + [done])
     return f
-
-
-def _fold_inputs(p: _Launch, view: CodesView, q, count, keys, values, encode: tuple) -> list:
-    ks, k1, k2 = view.key_buffers
-    vs, v1, v2 = view.value_buffers
-    return [q, p.sg, p.qf, ks, k1, k2 if p.two else k1, vs, v1, v2 if p.two else v1, p.lut, count, p.params,
-            keys, values, *encode[0]]
 
 
 def launch_fold(view: CodesView, q: mx.array, scale: float, keys: mx.array, values: mx.array, encode: tuple):
@@ -359,20 +350,18 @@ def launch_fold(view: CodesView, q: mx.array, scale: float, keys: mx.array, valu
     step's token ``keys``/``values`` ``(B, Hkv, 1, D)``, which the launch encodes and writes into the view's buffers at
     ``view.n_coded`` (room there, no checks; ``encode``: the append's ``(constants, template)``,
     :func:`rvqstore.cache_append.encode_args`); ``done`` ``[n + 1]`` orders later readers after the write."""
-    b, h, l, d = q.shape
-    ks = view.key_buffers[0]
-    p = _plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, 1, False, scale)
-    inputs = _fold_inputs(p, view, q, view.count_array(), keys, values, encode)
-    run, shapes, _ = _fold_entry(p, view, encode, keys.dtype, inputs)
+    p = _plan_for(view, q, 1, False, scale)
+    inputs = _split_inputs(p, view, q, view.count_array()) + [keys, values, *encode[0]]
+    run, shapes = _fold_entry(p, encode, keys.dtype, inputs)
     out = run(inputs, shapes, p.grid, _THREADGROUP)
     return out[0], out[1], out[2]
 
 
-def bind_fold(view: CodesView, q: mx.array, scale: float, keys: mx.array, encode: tuple) -> tuple | None:
+def bind_fold(view: CodesView, q: mx.array, scale: float, keys: mx.array, encode: tuple) -> tuple:
     """:func:`launch_fold` as :func:`bind` gives :func:`launch`: ``(run, inputs, shapes, grid, threadgroup)``, the
-    queries (input 0), the count before the step (10), the step's keys and values (12, 13) left for the caller."""
-    b, h, l, d = q.shape
-    ks = view.key_buffers[0]
-    p = _plan(view, ks.shape[-1], b * view.n_kv_heads, h * l // view.n_kv_heads, 1, False, scale)
-    f = _fold_entry(p, view, encode, keys.dtype, _fold_inputs(p, view, q, view.count_array(), keys, keys, encode))
-    return f[0], _fold_inputs(p, view, None, None, None, None, encode), f[1], p.grid, _THREADGROUP
+    queries (input 0), the count before the step (10), the step's keys and values (12, 13) left for the caller
+    (``keys``: one like them, for the dtypes)."""
+    p = _plan_for(view, q, 1, False, scale)
+    run, shapes = _fold_entry(p, encode, keys.dtype,
+                              _split_inputs(p, view, q, view.count_array()) + [keys, keys, *encode[0]])
+    return run, _split_inputs(p, view, None, None) + [None, None, *encode[0]], shapes, p.grid, _THREADGROUP
