@@ -8,6 +8,19 @@
 //   mx.hadamard_transform takes (strides 1, 2, 4, ...); the code pair = quantize(y) (stage 1 | stage 2 << 8).
 // Every thread of the threadgroup calls it at once (it has barriers). xs: the vector's D floats of shared scratch
 // (left holding H(..)), red: its D / 32 floats; sbits: the norm's bfloat16 bits (NaN past the limit), s32 its float.
+// A vector's scale from its sum of squares: the norm rounded to bfloat16 (sbits; NaN past the limit lim[0], which a
+// NaN norm is too), its float s32 and the factor inv that takes the rotated vector to unit norm (0 for a zero or
+// non-finite one). Returns whether the vector is finite (its coordinates kept).
+RVQ_FN bool rvq_norm_scale(float tot, const float* lim, uint& sbits, float& s32, float& inv) {
+  const float norm = RVQ_SQRT(tot);
+  const uint sb = RVQ_F2BF16_BITS(norm);
+  const bool fin = RVQ_BF16(sb) <= lim[0];  // NaN compares false
+  sbits = fin ? sb : RVQ_F2BF16_BITS(RVQ_NAN);
+  s32 = RVQ_BF16(sbits);
+  inv = (fin && s32 > 0.0f) ? RVQ_DIV(1.0f, s32) : 0.0f;
+  return fin;
+}
+
 template <int D, int B1, int B2, int MODE, int SEARCH, typename TT>
 RVQ_FN uint rvq_encode_coord(float x, uint i, const float* sg, const float* lim, TT tab, float* xs, float* red,
                              uint& sbits, float& s32) {
@@ -20,12 +33,8 @@ RVQ_FN uint rvq_encode_coord(float x, uint i, const float* sg, const float* lim,
   float tot = red[0];
   RVQ_UNROLL
   for (int w = 1; w < NWARP; ++w) tot += red[w];
-  const float norm = RVQ_SQRT(tot);
-  const uint sb = RVQ_F2BF16_BITS(norm);
-  const bool fin = RVQ_BF16(sb) <= lim[0];  // NaN compares false
-  sbits = fin ? sb : RVQ_F2BF16_BITS(RVQ_NAN);
-  s32 = RVQ_BF16(sbits);
-  const float inv = (fin && s32 > 0.0f) ? RVQ_DIV(1.0f, s32) : 0.0f;
+  float inv;
+  const bool fin = rvq_norm_scale(tot, lim, sbits, s32, inv);
   xs[i] = (fin ? x : 0.0f) * sg[i];
   RVQ_BARRIER();
   for (uint h = 1u; h < uint(D); h <<= 1) {
@@ -68,12 +77,8 @@ RVQ_FN void rvq_encode_warp(TX xrow, uint lane, const float* sg, const float* li
     for (uint o = 16u; o > 0u; o >>= 1) ss += RVQ_SHFL_XOR(ss, o);
     tot = (e == 0) ? ss : tot + ss;
   }
-  const float norm = RVQ_SQRT(tot);
-  const uint sb = RVQ_F2BF16_BITS(norm);
-  const bool fin = RVQ_BF16(sb) <= lim[0];  // NaN compares false
-  sbits = fin ? sb : RVQ_F2BF16_BITS(RVQ_NAN);
-  const float s32 = RVQ_BF16(sbits);
-  const float inv = (fin && s32 > 0.0f) ? RVQ_DIV(1.0f, s32) : 0.0f;
+  float s32, inv;
+  const bool fin = rvq_norm_scale(tot, lim, sbits, s32, inv);
   float v[E];
   RVQ_UNROLL
   for (int e = 0; e < E; ++e) v[e] = (fin ? x[e] : 0.0f) * sg[32u * uint(e) + lane];
