@@ -143,6 +143,8 @@ RVQ_FN uint rvq_lut_off(uint base, uint off) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(base + off) : "memory");
   return v;
 }
+// a hint: the 128-byte line holding `p` into L2 (no register, nothing waits for it; rvq_attend_mma's T_L2PF)
+RVQ_FN void rvq_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" : : "l"(p)); }
 // the GPU's global nanosecond timer (timing probes)
 RVQ_FN unsigned long long rvq_clock() {
   unsigned long long t;

@@ -193,17 +193,17 @@ def test_the_quick_kernels_are_chosen_by_setting_and_dialect(monkeypatch):
 
 #: the settings of the split kernel that must not change its bits, each setting's values (the last: the first order)
 _ARMS = {"QUICK_MAX": (True, False), "LATE_NORMS": (True, False), "BYTE_INDEX_42": (True, False),
-         "SHARED_ADDRESS": (3, 2, 1, 0), "TILE_PAIRS": (True, False)}
+         "SHARED_ADDRESS": (3, 2, 1, 0), "TILE_PAIRS": (True, False), "L2_PREFETCH": (8, 2, 0)}
 
 
 def test_the_maxima_and_norms_orders_are_chosen_by_setting(monkeypatch):
-    """kernel_mma.QUICK_MAX, LATE_NORMS, BYTE_INDEX_42, SHARED_ADDRESS and TILE_PAIRS become the templates' T_QMAX,
-    T_LATEN, T_I42, T_LDS and T_PING and are part of the plan's key (switching one makes a new launch, the variants' same-run
-    arms)."""
+    """kernel_mma.QUICK_MAX, LATE_NORMS, BYTE_INDEX_42, SHARED_ADDRESS, TILE_PAIRS and L2_PREFETCH become the templates'
+    T_QMAX, T_LATEN, T_I42, T_LDS, T_PING and T_L2PF and are part of the plan's key (switching one makes a new launch, the
+    variants' same-run arms)."""
     c, _, _ = _cache((2, 2), 2, 40, 128)
     view = c.codes_view()
     for name, param in (("QUICK_MAX", "T_QMAX"), ("LATE_NORMS", "T_LATEN"), ("BYTE_INDEX_42", "T_I42"),
-                        ("SHARED_ADDRESS", "T_LDS"), ("TILE_PAIRS", "T_PING")):
+                        ("SHARED_ADDRESS", "T_LDS"), ("TILE_PAIRS", "T_PING"), ("L2_PREFETCH", "T_L2PF")):
         plans = {}
         for on in _ARMS[name]:
             monkeypatch.setattr(kernel_mma, name, on)
@@ -340,9 +340,9 @@ def test_gpu_fused_merge_many_calls_at_once():
 def test_gpu_quick_maxima_and_late_norms_keep_every_bit(case, swapped, monkeypatch):
     """The split kernel skipping the maxima's shuffles where no score passes its row's running maximum
     (kernel_mma.QUICK_MAX), converting the norms late (LATE_NORMS) and building 4+2's table indices by bytes
-    (BYTE_INDEX_42), reading the table by shared address (SHARED_ADDRESS 3, 2 and 1) and taking two tiles a turn
-    (TILE_PAIRS) computes what the first order did: the partials o, m and l bit for bit, each setting against its
-    first order's arm."""
+    (BYTE_INDEX_42), reading the table by shared address (SHARED_ADDRESS 3, 2 and 1), taking two tiles a turn
+    (TILE_PAIRS) and asking L2 for tiles ahead (L2_PREFETCH 8 and 2) computes what the first order did: the partials
+    o, m and l bit for bit, each setting against its first order's arm."""
     bits, residual, d, hkv, g, L, n, b, window = case
     monkeypatch.setattr(kernel_mma, "SWAPPED", swapped)
     c, _, _ = _cache(bits, hkv, n, d, b=b, window=window, residual=residual, seed=n + 5)

@@ -157,6 +157,11 @@ SHARED_ADDRESS = 2
 #: was slower in three same-run comparisons (2+2 94.0 / 126.8 / 102.7 against 84.8 / 84.3 / 91.4 us, 4+2 134.4 / 120.0
 #: / 125.2 against 122.7 / 114.3 / 119.9; tools/results/attention-h200-lds-*.json); variant ``pairs``
 TILE_PAIRS = False
+#: a warp asks L2 for its tile this many turns ahead of the register prefetch's one (``T_L2PF``, one
+#: ``prefetch.global.L2`` per 128-byte line of the tile's codes and norms; no registers held, nothing waits, the same
+#: bits); 0: none. At 128k the tile loop took ~2x as long with its loads as without (docs/attention.md), with one tile in
+#: flight per warp. Variants ``l2pfN``; RVQSTORE_L2_PREFETCH=N
+L2_PREFETCH = int(os.environ.get("RVQSTORE_L2_PREFETCH", "0") or 0)
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
 #: threadgroups per launch the split plan aims at: BLOCKS_PER_SM per SM of an H200 (132 SMs), one wave
@@ -198,7 +203,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
         per = _launches[kc] = {}
     key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS, STRIDED, SWAPPED,
            BLOCKS_PER_SM, QUICK_SPLIT, LATE_NORMS, QUICK_MAX, BYTE_INDEX_42, SHARED_ADDRESS,
-           TILE_PAIRS, device_args.DEVICE_ARGS)
+           TILE_PAIRS, L2_PREFETCH, device_args.DEVICE_ARGS)
     p = per.get(key)
     if p is not None:
         return p
@@ -213,7 +218,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
                   ("T_SWAP", int(SWAPPED)), ("T_QUICK", int(QUICK_SPLIT)),
                   ("T_LATEN", int(LATE_NORMS)), ("T_QMAX", int(QUICK_MAX)),
                   ("T_I42", int(BYTE_INDEX_42)), ("T_LDS", table_reads(kc.bits1, kc.bits2)),
-                  ("T_PING", int(TILE_PAIRS)), ("T_PROBE", PROBE)]
+                  ("T_PING", int(TILE_PAIRS)), ("T_L2PF", int(L2_PREFETCH)), ("T_PROBE", PROBE)]
     p.smem = dynamic_shared_bytes(p.template)
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
