@@ -145,6 +145,19 @@ RVQ_FN uint rvq_lut_off(uint base, uint off) {
 }
 // a hint: the 128-byte line holding `p` into L2 (no register, nothing waits for it; rvq_attend_mma's T_L2PF)
 RVQ_FN void rvq_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" : : "l"(p)); }
+// cp.async (sm_80 on): BYTES (4, 8 or 16) from global memory to the shared address `dst`, no register in between;
+// a thread's own copies are visible to it after rvq_cp_wait (rvq_attend_mma's T_STAGES)
+template <int BYTES>
+RVQ_FN void rvq_cp_async(uint dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" : : "r"(dst), "l"(src), "n"(BYTES) : "memory");
+}
+RVQ_FN uint rvq_smem_addr(const void* p) { return uint(__cvta_generic_to_shared(p)); }
+RVQ_FN void rvq_cp_commit() { asm volatile("cp.async.commit_group;" : : : "memory"); }
+// until at most N of this thread's committed groups are still in flight
+template <int N>
+RVQ_FN void rvq_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" : : "n"(N) : "memory");
+}
 // the GPU's global nanosecond timer (timing probes)
 RVQ_FN unsigned long long rvq_clock() {
   unsigned long long t;

@@ -193,25 +193,47 @@ def test_the_quick_kernels_are_chosen_by_setting_and_dialect(monkeypatch):
 
 #: the settings of the split kernel that must not change its bits, each setting's values (the last: the first order)
 _ARMS = {"QUICK_MAX": (True, False), "LATE_NORMS": (True, False), "BYTE_INDEX_42": (True, False),
-         "SHARED_ADDRESS": (3, 2, 1, 0), "TILE_PAIRS": (True, False), "L2_PREFETCH": (8, 2, 0)}
+         "SHARED_ADDRESS": (3, 2, 1, 0), "TILE_PAIRS": (True, False), "L2_PREFETCH": (8, 2, 0),
+         "STAGES": (4, 3, 2, 0)}
 
 
 def test_the_maxima_and_norms_orders_are_chosen_by_setting(monkeypatch):
-    """kernel_mma.QUICK_MAX, LATE_NORMS, BYTE_INDEX_42, SHARED_ADDRESS, TILE_PAIRS and L2_PREFETCH become the templates'
-    T_QMAX, T_LATEN, T_I42, T_LDS, T_PING and T_L2PF and are part of the plan's key (switching one makes a new launch, the
+    """kernel_mma.QUICK_MAX, LATE_NORMS, BYTE_INDEX_42, SHARED_ADDRESS, TILE_PAIRS, L2_PREFETCH and STAGES become the
+    templates' T_QMAX, T_LATEN, T_I42, T_LDS, T_PING, T_L2PF and T_STAGES and are part of the plan's key (switching one makes a new launch, the
     variants' same-run arms)."""
     c, _, _ = _cache((2, 2), 2, 40, 128)
     view = c.codes_view()
     for name, param in (("QUICK_MAX", "T_QMAX"), ("LATE_NORMS", "T_LATEN"), ("BYTE_INDEX_42", "T_I42"),
-                        ("SHARED_ADDRESS", "T_LDS"), ("TILE_PAIRS", "T_PING"), ("L2_PREFETCH", "T_L2PF")):
+                        ("SHARED_ADDRESS", "T_LDS"), ("TILE_PAIRS", "T_PING"), ("L2_PREFETCH", "T_L2PF"),
+                        ("STAGES", "T_STAGES")):
         plans = {}
         for on in _ARMS[name]:
             monkeypatch.setattr(kernel_mma, name, on)
             plans[on] = kernel_mma._plan(view, 256, 2, 4, 1, False, 0.1)
             assert dict(plans[on].template)[param] == int(on)
-            # only 2+2's 256-byte table (T_LDS 3) asks for dynamic shared memory
-            assert plans[on].smem == (65536 if (name, on) == ("SHARED_ADDRESS", 3) else 0)
+            # only 2+2's 256-byte table (T_LDS 3) and the rings of tiles (T_STAGES 2 on) ask for dynamic shared memory
+            ring = 16 * kernel_mma.stage_words(plans[on].template)
+            assert ring == 0 or (name == "STAGES" and on >= 2)
+            assert plans[on].smem == (65536 if (name, on) == ("SHARED_ADDRESS", 3) else 0) + ring
         assert len({id(p) for p in plans.values()}) == len(_ARMS[name])
+
+
+@pytest.mark.parametrize("bits,d,rows,stages,words", [
+    ((2, 2), 128, 4, 3, 3 * 32 * 18),   # key words 2 x (2 + 2), value words 4 x (1 + 1), norm words 2 x 1
+    ((4, 2), 128, 4, 3, 3 * 32 * 26),   # 2 x (4 + 2), 4 x (2 + 1), 2 x 1
+    ((2, 2), 128, 16, 2, 2 * 32 * 20),  # rows first: norm words 2 x 2
+    ((2, 0), 64, 4, 4, 4 * 32 * 8),     # 2 x 1, 4 x 1, 2 x 1
+    ((2, 2), 128, 4, 1, 0),             # one tile: no ring
+])
+def test_a_warps_ring_of_tiles_holds_each_threads_words(bits, d, rows, stages, words):
+    """stage_words: a warp's ring is stages x 32 lanes x the words a lane loads per tile (kernels/rvq_attend_mma.inc,
+    SLOT), and the launch's dynamic shared memory the four warps' rings; none where the kernel takes no ring."""
+    t = [("T_B1", bits[0]), ("T_B2", bits[1]), ("T_D", d), ("T_R", rows), ("T_SWAP", 1), ("T_LATEN", 1),
+         ("T_PING", 0), ("T_LDS", 2), ("T_STAGES", stages)]
+    assert kernel_mma.stage_words(t) == words
+    assert kernel_mma.dynamic_shared_bytes(t) == 16 * words
+    for off in (("T_LATEN", 0), ("T_PING", 1)):
+        assert kernel_mma.stage_words(dict(t) | dict([off])) == 0
 
 
 # ---- on the GPU ------------------------------------------------------------------------------------------
@@ -341,7 +363,8 @@ def test_gpu_quick_maxima_and_late_norms_keep_every_bit(case, swapped, monkeypat
     """The split kernel skipping the maxima's shuffles where no score passes its row's running maximum
     (kernel_mma.QUICK_MAX), converting the norms late (LATE_NORMS) and building 4+2's table indices by bytes
     (BYTE_INDEX_42), reading the table by shared address (SHARED_ADDRESS 3, 2 and 1), taking two tiles a turn
-    (TILE_PAIRS) and asking L2 for tiles ahead (L2_PREFETCH 8 and 2) computes what the first order did: the partials
+    (TILE_PAIRS), asking L2 for tiles ahead (L2_PREFETCH 8 and 2) and copying tiles ahead into rings of shared
+    memory (STAGES 4, 3 and 2) computes what the first order did: the partials
     o, m and l bit for bit, each setting against its first order's arm."""
     bits, residual, d, hkv, g, L, n, b, window = case
     monkeypatch.setattr(kernel_mma, "SWAPPED", swapped)

@@ -56,7 +56,7 @@ ins = (mx.float16, mx.float32, mx.float32, mx.bfloat16, mx.uint32, mx.uint32, mx
 outs = (mx.float32, mx.float32) + ((mx.float16,) if {fused} else ())
 t = [("T_B1", {bits[0]}), ("T_B2", {bits[1]}), ("T_D", 128), ("T_R", {rows}), ("T_STRIDE", 1), ("T_SWAP", 1),
      ("T_QUICK", 1), ("T_LATEN", 1), ("T_QMAX", 0), ("T_I42", 1), ("T_LDS", 2), ("T_PING", 0)]
-t += [("T_L2PF", 0)] if "T_L2PF" in kernel_mma.sources()[1] else []  # a setting newer checkouts have, off
+t += [(n, 0) for n in ("T_L2PF", "T_STAGES") if n in kernel_mma.sources()[1]]  # settings newer checkouts have, off
 t += [("T_PROBE", 0)]
 t += [("OutT", mx.float16)] if {fused} else []
 _, tu = kernel_mma._kernel({fused}).source_for(t, ins, outs)

@@ -15,7 +15,7 @@ off); ``unbound`` = no decode step bound, every step through the regular paths (
 updates, resident caches stage their codes, and neither binds its steps);
 ``slowsplit`` = the tensor-core split kernel's first setup and warp merge (a loop turn per load, a barrier per
 butterfly stride of the queries' rotation, a barrier per warp; kernel_mma.QUICK_SPLIT off); ``slowmerge`` = the merge kernel's first version (kernel.QUICK_MERGE
-off); ``slowboth`` = both; ``earlynorms`` = the tensor-core split kernel converting the next tile's norms right after their loads (kernel_mma.LATE_NORMS off); ``fullmax`` / ``quickmax`` = the tensor-core split kernel reducing its rows' maxima by shuffles at every tile (the default) / skipping them where no score passes the running maxima (kernel_mma.QUICK_MAX off / on); ``idx42`` / ``noidx42`` = 4+2 at head dim 128 building its table indices by bytes or one by one (kernel_mma.BYTE_INDEX_42); ``lds`` / ``lds1`` / ``nolds`` = the table reads by 32-bit shared address with 4+2's offsets built by byte permutes, by shared address alone, or through the generic pointer (kernel_mma.SHARED_ADDRESS 2 / 1 / 0); ``lds3`` = 2+2's too, its table at 256 bytes an entry in dynamic shared memory (SHARED_ADDRESS 3); ``pairs`` / ``oneturn`` = the tile loop taking two tiles a turn or one (kernel_mma.TILE_PAIRS); ``before`` = neither (the kernel of 2026-12-04); ``hostargs`` = the kernels' small constant inputs and the in-place append's count left where MLX puts host-made and 4-byte arrays (managed memory, the scalar pool; device_args.DEVICE_ARGS off); ``l2pfN`` = the tensor-core split kernel asking L2 for each warp's tile N turns ahead (kernel_mma.L2_PREFETCH, 0 = off); ``fold`` / ``nofold`` = a bound packed step's append folded into the tensor-core split kernel or launched on its own (rvqstore.attention.fold.FOLD); ``sdpaNk`` = on CUDA, caches of fewer than N x 1024 tokens decline attention on the codes
+off); ``slowboth`` = both; ``earlynorms`` = the tensor-core split kernel converting the next tile's norms right after their loads (kernel_mma.LATE_NORMS off); ``fullmax`` / ``quickmax`` = the tensor-core split kernel reducing its rows' maxima by shuffles at every tile (the default) / skipping them where no score passes the running maxima (kernel_mma.QUICK_MAX off / on); ``idx42`` / ``noidx42`` = 4+2 at head dim 128 building its table indices by bytes or one by one (kernel_mma.BYTE_INDEX_42); ``lds`` / ``lds1`` / ``nolds`` = the table reads by 32-bit shared address with 4+2's offsets built by byte permutes, by shared address alone, or through the generic pointer (kernel_mma.SHARED_ADDRESS 2 / 1 / 0); ``lds3`` = 2+2's too, its table at 256 bytes an entry in dynamic shared memory (SHARED_ADDRESS 3); ``pairs`` / ``oneturn`` = the tile loop taking two tiles a turn or one (kernel_mma.TILE_PAIRS); ``before`` = neither (the kernel of 2026-12-04); ``hostargs`` = the kernels' small constant inputs and the in-place append's count left where MLX puts host-made and 4-byte arrays (managed memory, the scalar pool; device_args.DEVICE_ARGS off); ``l2pfN`` = the tensor-core split kernel asking L2 for each warp's tile N turns ahead (kernel_mma.L2_PREFETCH, 0 = off); ``stagesN`` = the tensor-core split kernel copying each thread's words of a tile N - 1 turns ahead into a ring of N shared-memory slots by cp.async (kernel_mma.STAGES, 0 = off); ``a+b`` = both variants; ``fold`` / ``nofold`` = a bound packed step's append folded into the tensor-core split kernel or launched on its own (rvqstore.attention.fold.FOLD); ``sdpaNk`` = on CUDA, caches of fewer than N x 1024 tokens decline attention on the codes
 (decode-then-SDPA on what update_and_fetch handed out; dispatch.MIN_TOKENS_ON_CODES_CUDA); ``sdpa`` = that at every
 length (the other arm of the crossover); ``default`` = the modules' own settings. The SIMT layouts apply where the SIMT kernel serves: with
 ``simt`` for fp16 calls on CUDA."""
@@ -45,22 +45,29 @@ VARIANTS = {"first": {"KEY_LANES": 1, "PAIR_TABLES": False, "STAGE_CODES": False
             "hostargs": {"DEVICE_ARGS": False}, "sdpa": {"MIN_TOKENS_ON_CODES_CUDA": 1 << 31}, "default": {}}
 _MODULE = {"TENSOR_CORES": kernel_mma, "STRIDED": kernel_mma, "SWAPPED": kernel_mma, "BLOCKS_PER_SM": kernel_mma,
            "TARGET_GROUPS": kernel_mma, "FUSED_MERGE": kernel_mma, "QUICK_SPLIT": kernel_mma, "LATE_NORMS": kernel_mma, "QUICK_MAX": kernel_mma, "BYTE_INDEX_42": kernel_mma,
-           "SHARED_ADDRESS": kernel_mma, "TILE_PAIRS": kernel_mma, "L2_PREFETCH": kernel_mma,
+           "SHARED_ADDRESS": kernel_mma, "TILE_PAIRS": kernel_mma, "L2_PREFETCH": kernel_mma, "STAGES": kernel_mma,
            "BY_REFERENCE": kernel_ref, "ENABLED": decode_step, "INPLACE": cache_append,
            "DEVICE_ARGS": device_args, "MIN_TOKENS_ON_CODES_CUDA": dispatch, "FOLD": fold}  # settings that live outside kernel.py
 
 
 def settings(name: str) -> dict:
-    """The kernel module attributes variant ``name`` sets."""
+    """The kernel module attributes variant ``name`` sets (``a+b``: both, ``b``'s settings last)."""
+    if "+" in name:
+        merged = {}
+        for part in name.split("+"):
+            merged.update(settings(part))
+        return merged
     if name in VARIANTS:
         return VARIANTS[name]
     if name.startswith("kl") and name[2:].isdigit():
         return {"KEY_LANES": int(name[2:])}
+    if name.startswith("stages") and name[6:].isdigit():
+        return {"STAGES": int(name[6:])}
     if name.startswith("l2pf") and name[4:].isdigit():
         return {"L2_PREFETCH": int(name[4:])}
     if name.startswith("sdpa") and name.endswith("k") and name[4:-1].isdigit():
         return {"MIN_TOKENS_ON_CODES_CUDA": 1024 * int(name[4:-1])}
-    raise SystemExit(f"unknown kernel variant {name!r}: one of {sorted(VARIANTS)}, klN, l2pfN or sdpaNk")
+    raise SystemExit(f"unknown kernel variant {name!r}: one of {sorted(VARIANTS)}, klN, l2pfN, stagesN or sdpaNk")
 
 
 def apply(name: str) -> dict:

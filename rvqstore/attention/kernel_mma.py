@@ -162,6 +162,12 @@ TILE_PAIRS = False
 #: bits); 0: none. At 128k the tile loop took ~2x as long with its loads as without (docs/attention.md), with one tile in
 #: flight per warp. Variants ``l2pfN``; RVQSTORE_L2_PREFETCH=N
 L2_PREFETCH = int(os.environ.get("RVQSTORE_L2_PREFETCH", "0") or 0)
+#: tiles in each thread's ring of shared-memory slots (``T_STAGES``): the split kernel copies a thread's words of the tile
+#: ``STAGES - 1`` turns ahead into its own slot by ``cp.async`` and takes them into registers right before computing it,
+#: so ``STAGES - 1`` tiles are in flight per warp with one register set; 0: the next tile loaded into a second register
+#: set (one tile in flight). The same words, the same bits. Needs ``LATE_NORMS`` and not ``TILE_PAIRS`` (else 0).
+#: Variants ``stagesN``; RVQSTORE_STAGES=N
+STAGES = int(os.environ.get("RVQSTORE_STAGES", "0") or 0)
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
 #: threadgroups per launch the split plan aims at: BLOCKS_PER_SM per SM of an H200 (132 SMs), one wave
@@ -177,10 +183,28 @@ def table_reads(bits1: int, bits2: int) -> int:
     return SHARED_ADDRESS if SHARED_ADDRESS < 3 or (bits1, bits2) == (2, 2) else 2
 
 
+def stage_words(template: list) -> int:
+    """The words of one warp's ring of ``T_STAGES`` tiles (kernels/rvq_attend_mma.inc, ``SLOT`` words per lane and
+    tile); 0 where the kernel takes no ring (``T_STAGES`` below 2, ``T_LATEN`` 0 or ``T_PING`` 1)."""
+    t = dict(template)
+    stages = t.get("T_STAGES", 0)
+    if stages < 2 or not t["T_LATEN"] or t["T_PING"]:
+        return 0
+    d, b1, b2 = t["T_D"], t["T_B1"], t["T_B2"]
+    w1, w2 = d * b1 // 32, d * b2 // 32
+    kwt = w1 // 4 + w2 // 4
+    fb1, fb2 = d // 8 * b1, d // 8 * b2
+    vwt = max(fb1 // 32, 1) + ((max(fb2 // 32, 1)) if b2 else 0)
+    nn = 2 if t["T_SWAP"] and t["T_R"] <= 8 else 4
+    return stages * 32 * (2 * kwt + 4 * vwt + 2 * (nn // 2))
+
+
 def dynamic_shared_bytes(template: list) -> int:
     """The dynamic shared memory a launch with ``template`` needs: for ``T_LDS`` 3 (2+2 alone, :func:`table_reads`)
-    the table's 256 entries at 256 bytes each, else none (the table is a static array)."""
-    return 256 * 256 if dict(template)["T_LDS"] == 3 else 0
+    the table's 256 entries at 256 bytes each (the table is a static array otherwise), then the four warps' rings of
+    ``T_STAGES`` tiles (:func:`stage_words`)."""
+    t = dict(template)
+    return (256 * 256 if t["T_LDS"] == 3 else 0) + 4 * 4 * stage_words(template)
 
 
 _launches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key codec -> {config: _Launch}
@@ -203,7 +227,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
         per = _launches[kc] = {}
     key = (cap, bh, rows, n_queries, view.n_dense, causal, scale, PROBE, TARGET_GROUPS, STRIDED, SWAPPED,
            BLOCKS_PER_SM, QUICK_SPLIT, LATE_NORMS, QUICK_MAX, BYTE_INDEX_42, SHARED_ADDRESS,
-           TILE_PAIRS, L2_PREFETCH, device_args.DEVICE_ARGS)
+           TILE_PAIRS, L2_PREFETCH, STAGES, device_args.DEVICE_ARGS)
     p = per.get(key)
     if p is not None:
         return p
@@ -218,7 +242,8 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
                   ("T_SWAP", int(SWAPPED)), ("T_QUICK", int(QUICK_SPLIT)),
                   ("T_LATEN", int(LATE_NORMS)), ("T_QMAX", int(QUICK_MAX)),
                   ("T_I42", int(BYTE_INDEX_42)), ("T_LDS", table_reads(kc.bits1, kc.bits2)),
-                  ("T_PING", int(TILE_PAIRS)), ("T_L2PF", int(L2_PREFETCH)), ("T_PROBE", PROBE)]
+                  ("T_PING", int(TILE_PAIRS)), ("T_L2PF", int(L2_PREFETCH)),
+                  ("T_STAGES", int(STAGES)), ("T_PROBE", PROBE)]
     p.smem = dynamic_shared_bytes(p.template)
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
