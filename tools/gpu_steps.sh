@@ -26,14 +26,14 @@ step() {  # step NAME LIMIT_S CMD...: the command's output, status and seconds a
 
 for s in "$@"; do
   case $s in
-    stages-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-stages.txt step stages-tests 200 \
+    stages-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-stages.txt step stages-tests 170 \
         $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py -k "keep_every_bit or chosen_by_setting or ring" ;;
-    attn-stages) step attn-stages-22 110 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 2+2 \
-        --rounds 10 --k 10 --variants stages2,stages3,stages4 --json "$OUT/attention-stages-22.json"
-      step attn-stages-42 110 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 4+2 \
-        --rounds 10 --k 10 --variants stages2,stages3 --json "$OUT/attention-stages-42.json" ;;
-    gen-stages) step gen-stages 200 $py tools/bench_generation.py --model random \
-        --arms kv,packed-2+2,packed-2+2@stages3,packed-4+2,packed-4+2@stages3 --steps 6 --rounds 4 \
+    attn-stages) step attn-stages-22 100 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 2+2 \
+        --rounds 8 --k 10 --variants stages2,stages3,stages4 --json "$OUT/attention-stages-22.json"
+      step attn-stages-42 90 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 4+2 \
+        --rounds 8 --k 10 --variants stages2,stages3 --json "$OUT/attention-stages-42.json" ;;
+    gen-stages) step gen-stages 180 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@stages3,packed-4+2,packed-4+2@stages3 --steps 6 --rounds 3 \
         --contexts 8192,32768,131072 --json "$OUT/gen-stages.json" --md "$OUT/gen-stages.md" ;;
     l2pf-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-l2pf.txt step l2pf-tests 240 \
         $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py -k "keep_every_bit or chosen_by_setting" ;;
