@@ -218,20 +218,28 @@ def test_the_maxima_and_norms_orders_are_chosen_by_setting(monkeypatch):
         assert len({id(p) for p in plans.values()}) == len(_ARMS[name])
 
 
-@pytest.mark.parametrize("bits,d,rows,stages,words", [
-    ((2, 2), 128, 4, 3, 3 * 32 * 18),   # key words 2 x (2 + 2), value words 4 x (1 + 1), norm words 2 x 1
-    ((4, 2), 128, 4, 3, 3 * 32 * 26),   # 2 x (4 + 2), 4 x (2 + 1), 2 x 1
-    ((2, 2), 128, 16, 2, 2 * 32 * 20),  # rows first: norm words 2 x 2
-    ((2, 0), 64, 4, 4, 4 * 32 * 8),     # 2 x 1, 4 x 1, 2 x 1
-    ((2, 2), 128, 4, 1, 0),             # one tile: no ring
+@pytest.mark.parametrize("bits,d,rows,stages,lds,words,dynamic", [
+    # key words 2 x (2 + 2), value words 4 x (1 + 1), norm words 2 x 1; the table (256 pair entries x 8 uint4) beside it
+    ((2, 2), 128, 4, 3, 2, 3 * 32 * 18, 256 * 8 * 16 + 16 * 3 * 32 * 18),
+    # 2 x (4 + 2), 4 x (2 + 1), 2 x 1; 64 entries at 256 bytes (byte-built offsets)
+    ((4, 2), 128, 4, 3, 2, 3 * 32 * 26, 64 * 16 * 16 + 16 * 3 * 32 * 26),
+    ((2, 2), 128, 16, 2, 2, 2 * 32 * 20, 256 * 8 * 16 + 16 * 2 * 32 * 20),  # rows first: norm words 2 x 2
+    ((2, 0), 64, 4, 4, 2, 4 * 32 * 8, 16 * 8 * 16 + 16 * 4 * 32 * 8),     # 2 x 1, 4 x 1, 2 x 1; 16 pair entries
+    ((2, 2), 64, 4, 3, 2, 3 * 32 * 14, 32768 + 21504),  # 54,272: above 48,000, MLX lifts the limit itself
+    ((2, 0), 128, 4, 2, 2, 2 * 32 * 10, 2048 + 10240),  # 12,288 + the static arrays: within 48 KB
+    ((4, 2), 64, 4, 4, 2, 4 * 32 * 16, 48016),          # 8,192 + 32,768 = 40,960: raised past MLX's threshold
+    ((2, 2), 128, 4, 1, 2, 0, 0),               # one tile: no ring, the table static
+    ((2, 2), 128, 4, 1, 3, 0, 65536),           # 2+2's 256-byte table alone
 ])
-def test_a_warps_ring_of_tiles_holds_each_threads_words(bits, d, rows, stages, words):
+def test_a_warps_ring_of_tiles_holds_each_threads_words(bits, d, rows, stages, lds, words, dynamic):
     """stage_words: a warp's ring is stages x 32 lanes x the words a lane loads per tile (kernels/rvq_attend_mma.inc,
-    SLOT), and the launch's dynamic shared memory the four warps' rings; none where the kernel takes no ring."""
+    SLOT); the launch's dynamic shared memory is the table and the four warps' rings, raised just above MLX's 48,000
+    bytes where the static arrays could take the total past 48 KB without MLX lifting the limit; none where the
+    kernel takes no ring and keeps its table static."""
     t = [("T_B1", bits[0]), ("T_B2", bits[1]), ("T_D", d), ("T_R", rows), ("T_SWAP", 1), ("T_LATEN", 1),
-         ("T_PING", 0), ("T_LDS", 2), ("T_STAGES", stages)]
+         ("T_PING", 0), ("T_LDS", lds), ("T_I42", 1), ("T_STAGES", stages)]
     assert kernel_mma.stage_words(t) == words
-    assert kernel_mma.dynamic_shared_bytes(t) == 16 * words
+    assert kernel_mma.dynamic_shared_bytes(t) == dynamic
     for off in (("T_LATEN", 0), ("T_PING", 1)):
         assert kernel_mma.stage_words(dict(t) | dict([off])) == 0
 

@@ -199,12 +199,35 @@ def stage_words(template: list) -> int:
     return stages * 32 * (2 * kwt + 4 * vwt + 2 * (nn // 2))
 
 
-def dynamic_shared_bytes(template: list) -> int:
-    """The dynamic shared memory a launch with ``template`` needs: for ``T_LDS`` 3 (2+2 alone, :func:`table_reads`)
-    the table's 256 entries at 256 bytes each (the table is a static array otherwise), then the four warps' rings of
-    ``T_STAGES`` tiles (:func:`stage_words`)."""
+#: what the split kernel's static shared arrays besides the table can take (the rotated queries, 16 x 128 floats; the
+#: warps' maxima and sums; the folded append's or the fused merge's few KB)
+STATIC_BOUND = 12 * 1024
+#: MLX raises a kernel's shared memory limit to its dynamic request only above this many bytes
+_MLX_LIFT = 48000
+
+
+def table_bytes(template: list) -> int:
+    """The decode table's shared memory (kernels/rvq_attend_mma.inc: NENT entries of LSLOTS uint4 slots)."""
     t = dict(template)
-    return (256 * 256 if t["T_LDS"] == 3 else 0) + 4 * 4 * stage_words(template)
+    b1, b2, d = t["T_B1"], t["T_B2"], t["T_D"]
+    cb = b1 + b2
+    nent = 1 << (2 * cb) if cb <= 4 else 1 << cb
+    fast42 = t["T_I42"] and (b1, b2, d) == (4, 2, 128)
+    dyn22 = (b1, b2) == (2, 2) and t["T_LDS"] == 3
+    return nent * (16 if (fast42 and t["T_LDS"] >= 2) or dyn22 else 8) * 16
+
+
+def dynamic_shared_bytes(template: list) -> int:
+    """The dynamic shared memory a launch with ``template`` needs: none where the table is a static array; else the
+    table (2+2's entries at 256 bytes with ``T_LDS`` 3, or any table beside a ring) and the four warps' rings of
+    ``T_STAGES`` tiles (:func:`stage_words`). A request that with the static arrays could pass 48 KB while MLX would not
+    lift the kernel's limit for it is raised just above MLX's threshold."""
+    t = dict(template)
+    ring = 4 * 4 * stage_words(template)
+    if not ring and t["T_LDS"] != 3:  # T_LDS 3 is 2+2's alone (table_reads)
+        return 0
+    need = table_bytes(template) + ring
+    return _MLX_LIFT + 16 if _MLX_LIFT - STATIC_BOUND < need <= _MLX_LIFT else need
 
 
 _launches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # key codec -> {config: _Launch}
