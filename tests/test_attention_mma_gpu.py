@@ -244,6 +244,16 @@ def test_a_warps_ring_of_tiles_holds_each_threads_words(bits, d, rows, stages, l
         assert kernel_mma.stage_words(dict(t) | dict([off])) == 0
 
 
+@pytest.mark.parametrize("env,value,want", [
+    ("RVQSTORE_STAGES", "3", 3), ("RVQSTORE_STAGES", "9", 0), ("RVQSTORE_STAGES", "three", 0),
+    ("RVQSTORE_STAGES", "", 0), ("RVQSTORE_L2_PREFETCH", "4", 4), ("RVQSTORE_L2_PREFETCH", "-1", 0),
+])
+def test_integer_settings_from_the_environment_fall_back_to_off(monkeypatch, env, value, want):
+    """A bad RVQSTORE_STAGES or RVQSTORE_L2_PREFETCH leaves the setting off instead of failing at import."""
+    monkeypatch.setenv(env, value)
+    assert kernel_mma._setting(env, range(0, 5 if env == "RVQSTORE_STAGES" else 17)) == want
+
+
 # ---- on the GPU ------------------------------------------------------------------------------------------
 MMA_CASES = [
     # (bits, residual, d, hkv, group, L, n, b, window)

@@ -161,13 +161,22 @@ TILE_PAIRS = False
 #: ``prefetch.global.L2`` per 128-byte line of the tile's codes and norms; no registers held, nothing waits, the same
 #: bits); 0: none. At 128k the tile loop took ~2x as long with its loads as without (docs/attention.md), with one tile in
 #: flight per warp. Variants ``l2pfN``; RVQSTORE_L2_PREFETCH=N
-L2_PREFETCH = int(os.environ.get("RVQSTORE_L2_PREFETCH", "0") or 0)
+def _setting(name: str, allowed: range) -> int:
+    """An integer setting from the environment; 0 (off) where it is unset, not a number or outside ``allowed``."""
+    try:
+        v = int(os.environ.get(name, "0") or 0)
+    except ValueError:
+        return 0
+    return v if v in allowed else 0
+
+
+L2_PREFETCH = _setting("RVQSTORE_L2_PREFETCH", range(0, 17))
 #: tiles in each thread's ring of shared-memory slots (``T_STAGES``): the split kernel copies a thread's words of the tile
 #: ``STAGES - 1`` turns ahead into its own slot by ``cp.async`` and takes them into registers right before computing it,
 #: so ``STAGES - 1`` tiles are in flight per warp with one register set; 0: the next tile loaded into a second register
 #: set (one tile in flight). The same words, the same bits. Needs ``LATE_NORMS`` and not ``TILE_PAIRS`` (else 0).
-#: Variants ``stagesN``; RVQSTORE_STAGES=N
-STAGES = int(os.environ.get("RVQSTORE_STAGES", "0") or 0)
+#: Variants ``stagesN``; RVQSTORE_STAGES=N (2 to 4: a deeper ring leaves room for fewer than three threadgroups an SM)
+STAGES = _setting("RVQSTORE_STAGES", range(0, 5))
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
 #: threadgroups per launch the split plan aims at: BLOCKS_PER_SM per SM of an H200 (132 SMs), one wave
