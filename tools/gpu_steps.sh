@@ -4,7 +4,7 @@
 # ($OUT/steps.log: a device call brings back at most 8 files), so one device call runs several of them and
 # a step that fails or overruns still leaves the others' results.
 #   usage (on the GPU machine): PYTHONPATH=/root/site:$PWD bash tools/gpu_steps.sh STEP [STEP...]
-#   steps: stages-tests attn-stages gen-stages l2pf-tests attn-l2pf fold-tests gen-fold gen-fold-ab gen-128k-fold trace-fold lds3-tests attn-lds3 gen-128k-lds3 append-bits append-tests probe-resident gen-resident-fix trace-resident append-resident lds-tests attn-lds gen-lds gen-128k-lds resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
+#   steps: mask-tests attn-mask attn-lq gen-lq attn-recheck stages-tests attn-stages gen-stages l2pf-tests attn-l2pf fold-tests gen-fold gen-fold-ab gen-128k-fold trace-fold lds3-tests attn-lds3 gen-128k-lds3 append-bits append-tests probe-resident gen-resident-fix trace-resident append-resident lds-tests attn-lds gen-lds gen-128k-lds resume-final resume-group gen-pinned-32k upload-host upload-tests resume-pinned gen-pinned idx42-tests attn-idx42 gen-idx42 gen-128k-idx42 args-tests attn-args gen-args gen-128k-args pcsample-args attn-late pcsample prefill crossover trace-crossover gen-now gen-128k-now attn-pair gen-fuse trace-fuse quick-mma quick-tests attn-quick trace-quick gen-quick trace trace-128k resident-tests gen-resident gen-resident-2 append attn-occ4 bound-tests gen-bound gen-confirm gen-128k-bound gen-final-ref gen-128k-ref ref-tests ref-broken gen-ref gen-ref-long attn-layers malloc overhead diag attn-fused gen-fused gen-final gen-128k-fused inplace gen-noinplace parity-mma parity-simt attn gen-mma gen-simt gen-128k load model-check profile-resume profile-step host suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -26,6 +26,22 @@ step() {  # step NAME LIMIT_S CMD...: the command's output, status and seconds a
 
 for s in "$@"; do
   case $s in
+    attn-recheck) step attn-recheck-22 120 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 2+2 \
+        --rounds 8 --k 10 --variants lds3,occ4,quickmax --json "$OUT/attention-recheck-22.json"
+      step attn-recheck-42 100 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 4+2 \
+        --rounds 8 --k 10 --variants occ4,quickmax --json "$OUT/attention-recheck-42.json" ;;
+    mask-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-mask.txt step mask-tests 330 \
+        $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py tests/test_attention_gpu.py \
+        tests/test_decode_step_gpu.py tests/test_cache_inplace_gpu.py tests/test_kernel_cache_gpu.py tests/test_attention.py ;;
+    attn-mask) step attn-mask 100 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 2+2,4+2 \
+        --rounds 8 --k 10 --json "$OUT/attention-mask.json" ;;
+    attn-lq) step attn-lq-22 200 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 2+2 \
+        --rounds 15 --k 10 --variants lds3,quickmax,lds3+quickmax --json "$OUT/attention-lq-22.json"
+      step attn-lq-42 120 $py tools/bench_attention.py --contexts 1024,8192,32768,131072 --bits 4+2 \
+        --rounds 15 --k 10 --variants quickmax --json "$OUT/attention-lq-42.json" ;;
+    gen-lq) step gen-lq 240 $py tools/bench_generation.py --model random \
+        --arms kv,packed-2+2,packed-2+2@lds3+quickmax,packed-4+2,packed-4+2@quickmax --steps 6 --rounds 5 \
+        --contexts 1024,8192,32768,131072 --json "$OUT/gen-lq.json" --md "$OUT/gen-lq.md" ;;
     stages-tests) RVQ_ATTN_PARITY_REPORT=$OUT/parity-stages.txt step stages-tests 170 \
         $py -m pytest -q -rfE -p no:cacheprovider -n 8 tests/test_attention_mma_gpu.py -k "keep_every_bit or chosen_by_setting or ring" ;;
     attn-stages) step attn-stages-22 100 $py tools/bench_attention.py --contexts 8192,32768,131072 --bits 2+2 \

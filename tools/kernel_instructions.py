@@ -16,11 +16,18 @@ compared side by side:
         --json tools/results/kernel-instructions-sm90-quick.json
     python tools/kernel_instructions.py --bits 2+2,4+2 --rows 4,8 --layouts swap --lds 0,1 --ping 0,1 \
         --nvdisasm /path/to/nvdisasm --json tools/results/kernel-instructions-sm90-lds.json
+
+``--opcodes`` also counts the tile loop's opcodes, where a tile's issue slots go (``--stages`` the ring's depth; the
+settings not given are the kernel's own):
+
+    python tools/kernel_instructions.py --bits 2+2,4+2 --layouts swap --blocks 3,4 --lds 2,3 --stages 0,3 --opcodes \
+        --nvdisasm /path/to/nvdisasm --json tools/results/kernel-opcodes-sm90.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import shutil
@@ -41,7 +48,7 @@ _CALLS = {"swap": "      compute_swap(tile, kwa, vwa, ka, va);", "rows": "      
 
 
 def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, setup: int = 1, i42: int = 1,
-           lds: int = 1, ping: int = 1) -> str:
+           lds: int = 1, ping: int = 1, stages: int = 0) -> str:
     """The translation unit of one configuration, as a host nvcc takes it."""
     old = kernel_mma.BLOCKS_PER_SM
     kernel_mma.BLOCKS_PER_SM = blocks
@@ -51,7 +58,7 @@ def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, se
         kernel_mma.BLOCKS_PER_SM = old
     template = [("T_B1", bits[0]), ("T_B2", bits[1]), ("T_D", d), ("T_R", rows), ("T_STRIDE", 1),
                 ("T_SWAP", int(swap)), ("T_QUICK", setup), ("T_LATEN", 1), ("T_QMAX", 0), ("T_I42", i42),
-                ("T_LDS", lds), ("T_PING", ping), ("T_PROBE", 0)]
+                ("T_LDS", lds), ("T_PING", ping), ("T_L2PF", 0), ("T_STAGES", stages), ("T_PROBE", 0)]
     _, tu = k.source_for(template, _INPUTS, (mx.float32, mx.float32))
     # NVRTC has no <stdint.h>; the host compiler does, and refuses these two typedefs again
     return tu.replace("typedef long long int64_t;", "").replace("typedef unsigned long long uint64_t;", "")
@@ -76,8 +83,8 @@ def compile_stats(tu: str, work: Path, name: str) -> dict:
             "spill_load_bytes": int(spill.group(2)) if spill else None, "instructions": size // 16}
 
 
-def loop_instructions(cubin: Path, nvdisasm: str | None) -> int | None:
-    """Instructions of the tile loop in ``nvdisasm``'s listing of ``cubin``: the shortest span from a label to a
+def tile_loop(cubin: Path, nvdisasm: str | None) -> list[str] | None:
+    """The tile loop's instructions in ``nvdisasm``'s listing of ``cubin``: the shortest span from a label to a
     backward branch to it that holds every mma of the kernel (the shuffles' fallback blocks, placed at the end and
     branching back, span more); None without the disassembler."""
     if not nvdisasm:
@@ -98,19 +105,33 @@ def loop_instructions(cubin: Path, nvdisasm: str | None) -> int | None:
         m = re.search(r"BRA\s.*?(\.L_x_\d+)", t)
         start = labels.get(m.group(1)) if m else None
         if start is not None and start <= i and mma and start <= mma[0] and mma[-1] <= i:
-            best = i + 1 - start if best is None else min(best, i + 1 - start)
-    return best
+            if best is None or i + 1 - start < best[1] - best[0]:
+                best = (start, i + 1)
+    return ins[best[0]:best[1]] if best else None
+
+
+def opcodes(loop: list[str]) -> dict:
+    """How many of each opcode (its modifiers kept, its predicate dropped) the loop holds, most first: where a tile's
+    issue slots go (ALU-pipe permutes and logic, the FMA pipe's multiply-adds, shared and global loads, mma)."""
+    counts: dict = {}
+    for t in loop:
+        op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
+        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def measure(bits, d, rows, layout, blocks, work: Path, quick: int = 1, i42: int = 1, lds: int = 1, ping: int = 1,
-            nvdisasm: str | None = None) -> dict:
-    tu = source(bits, d, rows, layout == "swap", blocks, quick, i42, lds, ping)
+            nvdisasm: str | None = None, stages: int = 0, with_opcodes: bool = False) -> dict:
+    tu = source(bits, d, rows, layout == "swap", blocks, quick, i42, lds, ping, stages)
     call = _CALLS[layout]
-    name = f"b{bits[0]}{bits[1]}_d{d}_r{rows}_{layout}_tg{blocks}_q{quick}_i{i42}_l{lds}_p{ping}"
+    name = f"b{bits[0]}{bits[1]}_d{d}_r{rows}_{layout}_tg{blocks}_q{quick}_i{i42}_l{lds}_p{ping}_s{stages}"
     one = compile_stats(tu, work, name)
-    one["loop_instructions"] = loop_instructions(work / f"{name}.cubin", nvdisasm)  # a two-tile turn with T_PING
+    loop = tile_loop(work / f"{name}.cubin", nvdisasm)
+    one["loop_instructions"] = len(loop) if loop is not None else None  # a two-tile turn with T_PING
+    if with_opcodes and loop is not None:
+        one["loop_opcodes"] = opcodes(loop)
     tile = None
-    if not ping:  # the one-tile loop is the kernel's last call of the compute
+    if not ping and not stages:  # the one-tile loop is the kernel's last call of the compute
         at = tu.rfind(call)
         if at < 0:
             raise SystemExit(f"the tile loop's call {call.strip()!r} is not in the kernel: update this tool")
@@ -120,7 +141,7 @@ def measure(bits, d, rows, layout, blocks, work: Path, quick: int = 1, i42: int 
         two = compile_stats(twice, work, name + "_twice")
         tile = two["instructions"] - one["instructions"]
     return {"bits": f"{bits[0]}+{bits[1]}", "d": d, "rows": rows, "layout": layout, "blocks_per_sm": blocks,
-            "quick": quick, "i42": i42, "lds": lds, "ping": ping, **one, "tile_compute_instructions": tile}
+            "quick": quick, "i42": i42, "lds": lds, "ping": ping, "stages": stages, **one, "tile_compute_instructions": tile}
 
 
 def main() -> None:
@@ -134,10 +155,14 @@ def main() -> None:
                     "kernel_mma.QUICK_SPLIT; 0: the first versions)")
     ap.add_argument("--i42", default="1", help="comma list of T_I42 values (1: 4+2 d128 table indices by bytes, "
                     "kernel_mma.BYTE_INDEX_42, the default; 0: one by one)")
-    ap.add_argument("--lds", default="1", help="comma list of T_LDS values (1: table reads by 32-bit shared address, "
-                    "kernel_mma.SHARED_ADDRESS, the default; 0: through the generic pointer)")
-    ap.add_argument("--ping", default="1", help="comma list of T_PING values (1: two tiles a loop turn, "
-                    "kernel_mma.TILE_PAIRS, the default; 0: one)")
+    ap.add_argument("--lds", default=str(kernel_mma.SHARED_ADDRESS), help="comma list of T_LDS values "
+                    "(kernel_mma.SHARED_ADDRESS, default the kernel's: 3 = 2+2's entries 256 bytes apart too, 2 = 4+2's "
+                    "entries 256 bytes apart, 1 = table reads by 32-bit shared address, 0 = through the generic pointer)")
+    ap.add_argument("--ping", default=str(int(kernel_mma.TILE_PAIRS)), help="comma list of T_PING values "
+                    "(kernel_mma.TILE_PAIRS, default the kernel's: 1 = two tiles a loop turn, 0 = one)")
+    ap.add_argument("--stages", default=str(kernel_mma.STAGES), help="comma list of T_STAGES values "
+                    "(kernel_mma.STAGES, default the kernel's: 2-4 = a ring of that many tiles in shared memory, 0 = none)")
+    ap.add_argument("--opcodes", action="store_true", help="also count the tile loop's opcodes (needs the disassembler)")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"), help="the disassembler, for the tile loop's "
                     "instructions (default: on PATH; pip's nvidia-cuda-nvdisasm has one)")
     ap.add_argument("--json", help="write the rows here")
@@ -147,22 +172,17 @@ def main() -> None:
             raise SystemExit(f"{tool} is not on PATH (this tool compiles locally)")
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for b in a.bits.split(","):
+        ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+        for b, d, rows, layout, blocks, quick, i42, lds, ping, stages in itertools.product(
+                a.bits.split(","), ints(a.dims), ints(a.rows), a.layouts.split(","), ints(a.blocks), ints(a.quick),
+                ints(a.i42), ints(a.lds), ints(a.ping), ints(a.stages)):
+            if layout == "swap" and rows > 8:
+                continue
             bits = tuple(int(x) for x in b.split("+"))
-            for d in (int(x) for x in a.dims.split(",")):
-                for rows in (int(x) for x in a.rows.split(",")):
-                    for layout in a.layouts.split(","):
-                        if layout == "swap" and rows > 8:
-                            continue
-                        for blocks in (int(x) for x in a.blocks.split(",")):
-                            for quick in (int(x) for x in a.quick.split(",")):
-                                for i42 in (int(x) for x in a.i42.split(",")):
-                                    for lds in (int(x) for x in a.lds.split(",")):
-                                        for ping in (int(x) for x in a.ping.split(",")):
-                                            row = measure(bits, d, rows, layout, blocks, Path(tmp), quick, i42, lds,
-                                                          ping, a.nvdisasm)
-                                            out.append(row)
-                                            print(json.dumps(row), flush=True)
+            row = measure(bits, d, rows, layout, blocks, Path(tmp), quick, i42, lds, ping, a.nvdisasm, stages,
+                          a.opcodes)
+            out.append(row)
+            print(json.dumps(row), flush=True)
     if a.json:
         meta = {"command": "python tools/kernel_instructions.py " + " ".join(sys.argv[1:]),
                 "nvcc": subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
