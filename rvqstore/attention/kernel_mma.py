@@ -157,10 +157,8 @@ SHARED_ADDRESS = 2
 #: was slower in three same-run comparisons (2+2 94.0 / 126.8 / 102.7 against 84.8 / 84.3 / 91.4 us, 4+2 134.4 / 120.0
 #: / 125.2 against 122.7 / 114.3 / 119.9; tools/results/attention-h200-lds-*.json); variant ``pairs``
 TILE_PAIRS = False
-#: a warp asks L2 for its tile this many turns ahead of the register prefetch's one (``T_L2PF``, one
-#: ``prefetch.global.L2`` per 128-byte line of the tile's codes and norms; no registers held, nothing waits, the same
-#: bits); 0: none. At 128k the tile loop took ~2x as long with its loads as without (docs/attention.md), with one tile in
-#: flight per warp. Variants ``l2pfN``; RVQSTORE_L2_PREFETCH=N
+
+
 def _setting(name: str, allowed: range) -> int:
     """An integer setting from the environment; 0 (off) where it is unset, not a number or outside ``allowed``."""
     try:
@@ -170,12 +168,19 @@ def _setting(name: str, allowed: range) -> int:
     return v if v in allowed else 0
 
 
+#: a warp asks L2 for its tile this many turns ahead of the register prefetch's one (``T_L2PF``, one
+#: ``prefetch.global.L2`` per 128-byte line of the tile's codes and norms; no registers held, nothing waits, the same
+#: bits); 0: none. Off: 9-11 % slower at 128k on the H200 (tools/results/attention-h200-l2pf-*.json).
+#: Variants ``l2pfN``; RVQSTORE_L2_PREFETCH=N
 L2_PREFETCH = _setting("RVQSTORE_L2_PREFETCH", range(0, 17))
 #: tiles in each thread's ring of shared-memory slots (``T_STAGES``): the split kernel copies a thread's words of the tile
 #: ``STAGES - 1`` turns ahead into its own slot by ``cp.async`` and takes them into registers right before computing it,
 #: so ``STAGES - 1`` tiles are in flight per warp with one register set; 0: the next tile loaded into a second register
 #: set (one tile in flight). The same words, the same bits. Needs ``LATE_NORMS`` and not ``TILE_PAIRS`` (else 0).
-#: Variants ``stagesN``; RVQSTORE_STAGES=N (2 to 4: a deeper ring leaves room for fewer than three threadgroups an SM)
+#: Off: bit-identical at S = 2, 3, 4 but slower on the H100 (2+2 at 128k 88-98 us against 83; the tile loop is 800
+#: instructions against 714, and the kernel is bound in the SMs, not by DRAM: docs/attention.md, "Tiles ahead of the
+#: loop"). Variants ``stagesN``; RVQSTORE_STAGES=N (2 to 4: a deeper ring leaves room for fewer than three threadgroups
+#: an SM)
 STAGES = _setting("RVQSTORE_STAGES", range(0, 5))
 #: threadgroups per SM the compiler budgets registers for (``__launch_bounds__``: at most 168 per thread)
 BLOCKS_PER_SM = 3
