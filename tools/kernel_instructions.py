@@ -144,6 +144,10 @@ def measure(bits, d, rows, layout, blocks, work: Path, quick: int = 1, i42: int 
             "quick": quick, "i42": i42, "lds": lds, "ping": ping, "stages": stages, **one, "tile_compute_instructions": tile}
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bits", default="2+2,4+2", help="comma list of B1+B2")
@@ -172,10 +176,9 @@ def main() -> None:
             raise SystemExit(f"{tool} is not on PATH (this tool compiles locally)")
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
         for b, d, rows, layout, blocks, quick, i42, lds, ping, stages in itertools.product(
-                a.bits.split(","), ints(a.dims), ints(a.rows), a.layouts.split(","), ints(a.blocks), ints(a.quick),
-                ints(a.i42), ints(a.lds), ints(a.ping), ints(a.stages)):
+                a.bits.split(","), _ints(a.dims), _ints(a.rows), a.layouts.split(","), _ints(a.blocks),
+                _ints(a.quick), _ints(a.i42), _ints(a.lds), _ints(a.ping), _ints(a.stages)):
             if layout == "swap" and rows > 8:
                 continue
             bits = tuple(int(x) for x in b.split("+"))
