@@ -218,6 +218,18 @@ def test_the_maxima_and_norms_orders_are_chosen_by_setting(monkeypatch):
         assert len({id(p) for p in plans.values()}) == len(_ARMS[name])
 
 
+def test_the_template_is_the_plans_and_takes_overrides_by_name(monkeypatch):
+    """kernel_mma.template gives what a plan launches with (the module's settings) and replaces named arguments for
+    tools that compile other configurations; a name the kernel does not take is refused."""
+    c, _, _ = _cache((2, 2), 2, 40, 128)
+    assert kernel_mma._plan(c.codes_view(), 256, 2, 4, 1, False, 0.1).template == kernel_mma.template(2, 2, 128, 4)
+    monkeypatch.setattr(kernel_mma, "STAGES", 3)
+    t = dict(kernel_mma.template(4, 2, 64, 8, T_PING=1, T_LDS=0))
+    assert (t["T_B1"], t["T_B2"], t["T_D"], t["T_R"], t["T_STAGES"], t["T_PING"], t["T_LDS"]) == (4, 2, 64, 8, 3, 1, 0)
+    with pytest.raises(ValueError, match="T_RING"):
+        kernel_mma.template(2, 2, 128, 4, T_RING=2)
+
+
 @pytest.mark.parametrize("bits,d,rows,stages,lds,words,dynamic", [
     # key words 2 x (2 + 2), value words 4 x (1 + 1), norm words 2 x 1; the table (256 pair entries x 8 uint4) beside it
     ((2, 2), 128, 4, 3, 2, 3 * 32 * 18, 256 * 8 * 16 + 16 * 3 * 32 * 18),

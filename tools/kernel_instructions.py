@@ -56,9 +56,8 @@ def source(bits: tuple[int, int], d: int, rows: int, swap: bool, blocks: int, se
         k = kernel_mma._kernel()
     finally:
         kernel_mma.BLOCKS_PER_SM = old
-    template = [("T_B1", bits[0]), ("T_B2", bits[1]), ("T_D", d), ("T_R", rows), ("T_STRIDE", 1),
-                ("T_SWAP", int(swap)), ("T_QUICK", setup), ("T_LATEN", 1), ("T_QMAX", 0), ("T_I42", i42),
-                ("T_LDS", lds), ("T_PING", ping), ("T_L2PF", 0), ("T_STAGES", stages), ("T_PROBE", 0)]
+    template = kernel_mma.template(bits[0], bits[1], d, rows, T_STRIDE=1, T_SWAP=int(swap), T_QUICK=setup, T_LATEN=1,
+                                   T_QMAX=0, T_I42=i42, T_LDS=lds, T_PING=ping, T_L2PF=0, T_STAGES=stages, T_PROBE=0)
     _, tu = k.source_for(template, _INPUTS, (mx.float32, mx.float32))
     # NVRTC has no <stdint.h>; the host compiler does, and refuses these two typedefs again
     return tu.replace("typedef long long int64_t;", "").replace("typedef unsigned long long uint64_t;", "")

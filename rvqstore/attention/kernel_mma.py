@@ -197,6 +197,20 @@ def table_reads(bits1: int, bits2: int) -> int:
     return SHARED_ADDRESS if SHARED_ADDRESS < 3 or (bits1, bits2) == (2, 2) else 2
 
 
+def template(bits1: int, bits2: int, d: int, rows: int, **values: int) -> list:
+    """The split kernel's template arguments for codes of these bits and head dim and ``rows`` query rows per KV head,
+    at this module's settings; ``values`` (by template name, e.g. ``T_STAGES=3``) replace settings, for tools that
+    compile other configurations."""
+    t = [("T_B1", bits1), ("T_B2", bits2), ("T_D", d), ("T_R", rows), ("T_STRIDE", int(STRIDED)),
+         ("T_SWAP", int(SWAPPED)), ("T_QUICK", int(QUICK_SPLIT)), ("T_LATEN", int(LATE_NORMS)),
+         ("T_QMAX", int(QUICK_MAX)), ("T_I42", int(BYTE_INDEX_42)), ("T_LDS", table_reads(bits1, bits2)),
+         ("T_PING", int(TILE_PAIRS)), ("T_L2PF", int(L2_PREFETCH)), ("T_STAGES", int(STAGES)), ("T_PROBE", PROBE)]
+    unknown = set(values) - {k for k, _ in t}
+    if unknown:
+        raise ValueError(f"not template arguments of the split kernel: {sorted(unknown)}")
+    return [(k, int(values.get(k, v))) for k, v in t]
+
+
 def stage_words(template: list) -> int:
     """The words of one warp's ring of ``T_STAGES`` tiles (kernels/rvq_attend_mma.inc, ``SLOT`` words per lane and
     tile); 0 where the kernel takes no ring (``T_STAGES`` below 2, ``T_LATEN`` 0 or ``T_PING`` 1)."""
@@ -275,12 +289,7 @@ def _plan(view: CodesView, cap: int, bh: int, rows: int, n_queries: int, causal:
     p.sg = device_args.moved(mx.array((kc.signs.astype(np.float64) / math.sqrt(d)).astype(np.float32)))
     p.qf = device_args.constant([scale * _LOG2E / math.sqrt(d)], mx.float32)
     p.lut, p.two = device_args.moved(_table_array(kc)), kc.bits2 > 0
-    p.template = [("T_B1", kc.bits1), ("T_B2", kc.bits2), ("T_D", d), ("T_R", rows), ("T_STRIDE", int(STRIDED)),
-                  ("T_SWAP", int(SWAPPED)), ("T_QUICK", int(QUICK_SPLIT)),
-                  ("T_LATEN", int(LATE_NORMS)), ("T_QMAX", int(QUICK_MAX)),
-                  ("T_I42", int(BYTE_INDEX_42)), ("T_LDS", table_reads(kc.bits1, kc.bits2)),
-                  ("T_PING", int(TILE_PAIRS)), ("T_L2PF", int(L2_PREFETCH)),
-                  ("T_STAGES", int(STAGES)), ("T_PROBE", PROBE)]
+    p.template = template(kc.bits1, kc.bits2, d, rows)
     p.smem = dynamic_shared_bytes(p.template)
     p.grid = (bh * splits * THREADS, 1, 1)
     p.shapes = [(bh, splits, rows, d), (bh, splits, rows, 2)]
